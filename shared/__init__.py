@@ -1,0 +1,1 @@
+"""kvmesh common library: config, bus, protocol, engine, tiers, policies."""

@@ -1,0 +1,52 @@
+"""What a policy sees of a block, and what a policy is.
+
+A policy maps a block's statistics to a priority; the cache evicts the
+block with the *lowest* priority among those that are evictable (not in
+use, not pinned). Policies that also decide admission (S3-FIFO, TinyLFU)
+implement ``admit``; pure priority policies admit everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    """Access statistics of one cached block (times in seconds, any monotonic clock)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    depth: int  # position in its chain: 0 for the first block of a prompt
+    num_tokens: int
+    size_bytes: int
+    created_at: float
+    last_access: float
+    access_count: int = 1
+    num_children: int = 0  # cached children; a block with children is not a leaf
+    pinned_until: float = 0.0  # TTL pin from cache_control breakpoints / named caches
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def priority(self, info: BlockInfo, now: float) -> float:
+        """Lower is evicted first."""
+        ...
+
+    def admit(self, info: BlockInfo, now: float) -> bool:
+        """Whether a newly computed block is worth caching at all."""
+        ...
+
+
+class LRUPolicy:
+    """Least recently used: the oldest last access goes first."""
+
+    name = "lru"
+
+    def priority(self, info: BlockInfo, now: float) -> float:
+        return info.last_access
+
+    def admit(self, info: BlockInfo, now: float) -> bool:
+        return True

@@ -1,0 +1,34 @@
+"""Entry point of the `kvmesh` console script.
+
+Each command group lives in its own module and registers itself here;
+heavy imports (torch, nats) stay inside the commands so `kvmesh --help`
+is fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kvmesh",
+    help="KV-cache-centric LLM serving for agent workloads.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+
+@app.callback()
+def main() -> None:
+    """KV-cache-centric LLM serving for agent workloads."""
+
+
+# Command groups register below, one line each.
+
+
+@app.command()
+def version() -> None:
+    """Print the kvmesh version."""
+    from importlib.metadata import version as dist_version
+
+    typer.echo(dist_version("kvmesh"))

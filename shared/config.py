@@ -1,0 +1,96 @@
+"""Every kvmesh setting, in one place.
+
+Settings come from the environment with the prefix ``KVMESH_``; nested
+sections use ``__`` (``KVMESH_ENGINE__BLOCK_SIZE=32``). A few top-level
+names that operators reach for first (``KVMESH_NATS_URL``,
+``KVMESH_S3_ENDPOINT`` ...) are plain fields so they read naturally.
+Services build one ``Settings`` at start and pass sections down; nothing
+reads the environment anywhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class NatsSettings(BaseModel):
+    """The local nats-server that `kvmesh up` starts (ignored when nats_url is set)."""
+
+    host: str = "127.0.0.1"
+    port: int = 4222
+    monitor_port: int = 8222
+    replicas: int = 1  # stream replicas; 3 for a cluster
+    max_payload: int = 8 * 1024 * 1024
+
+
+class S3Settings(BaseModel):
+    """The local S3 server that `kvmesh up` starts (ignored when s3_endpoint is set)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8333
+    master_port: int = 9333
+    volume_port: int = 8080
+    filer_port: int = 8888
+    bucket: str = "kvmesh-kv"
+    region: str = "us-east-1"
+
+
+class EngineSettings(BaseModel):
+    block_size: int = 16
+    num_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    dtype: str = "float32"
+    device: str = "cpu"
+    eviction_policy: str = "lru"
+
+
+class TierSettings(BaseModel):
+    l2_capacity_bytes: int = 2 * 1024**3
+    l3_enabled: bool = True
+    l3_chunk_tokens: int = 256
+    l3_upload_queue_bytes: int = 256 * 1024**2
+
+
+class ServiceSettings(BaseModel):
+    """What every service process shares: identity, HTTP side port, heartbeat."""
+
+    worker_id: str = ""
+    http_host: str = "127.0.0.1"
+    http_port: int = 0  # 0 = pick a free port
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    drain_timeout_s: float = 10.0
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    state_dir: Path = Path(".kvmesh")
+    model_dir: Path | None = None
+    log_level: str = "info"
+
+    # External servers: when set, `kvmesh up` uses them instead of starting local ones.
+    nats_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_secure: bool = False
+
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    s3: S3Settings = Field(default_factory=S3Settings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    tiers: TierSettings = Field(default_factory=TierSettings)
+    service: ServiceSettings = Field(default_factory=ServiceSettings)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read the environment once; keyword overrides win (used by the CLI)."""
+    return Settings(**overrides)

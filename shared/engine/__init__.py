@@ -1,0 +1,1 @@
+"""The in-process engine: checkpoints, model, paged KV pool, prefix cache, scheduler."""

