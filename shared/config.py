@@ -66,6 +66,15 @@ class ServiceSettings(BaseModel):
     drain_timeout_s: float = 10.0
 
 
+class StackSettings(BaseModel):
+    """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
+
+    bin_dir: Path | None = None  # look for nats-server / weed only here (default: beside python, then PATH)
+    services_package: str = "services"  # every <package>.<name> with a __main__ is a service
+    ready_timeout_s: float = 60.0
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVMESH_",
@@ -89,6 +98,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     tiers: TierSettings = Field(default_factory=TierSettings)
     service: ServiceSettings = Field(default_factory=ServiceSettings)
+    stack: StackSettings = Field(default_factory=StackSettings)
 
 
 def load_settings(**overrides: object) -> Settings:
