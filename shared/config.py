@@ -66,6 +66,22 @@ class ServiceSettings(BaseModel):
     drain_timeout_s: float = 10.0
 
 
+class BusSettings(BaseModel):
+    """How services talk over NATS: reconnects, publish retries, consumer defaults."""
+
+    connect_timeout_s: float = 5.0
+    reconnect_wait_min_s: float = 0.1  # exponential backoff between reconnect attempts
+    reconnect_wait_max_s: float = 2.0
+    publish_timeout_s: float = 2.0  # one JetStream publish attempt
+    publish_retry_total_s: float = 20.0  # rides out a leader election, then the error propagates
+    publish_retry_min_s: float = 0.05
+    publish_retry_max_s: float = 2.0
+    request_timeout_s: float = 5.0
+    nak_delay_s: float = 1.0
+    fetch_batch: int = 16
+    fetch_timeout_s: float = 1.0
+
+
 class StackSettings(BaseModel):
     """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
 
@@ -99,6 +115,7 @@ class Settings(BaseSettings):
     tiers: TierSettings = Field(default_factory=TierSettings)
     service: ServiceSettings = Field(default_factory=ServiceSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
+    bus: BusSettings = Field(default_factory=BusSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

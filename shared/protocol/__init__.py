@@ -1,0 +1,1 @@
+"""What travels on NATS: versioned message models, subject names, stream and bucket definitions."""

@@ -1,0 +1,47 @@
+"""Message models shared by every service (service-specific ones live beside their service's logic).
+
+All are `Message`s: versioned, strict, `to_bytes()` / `from_bytes()`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from shared.protocol.base import Message
+
+
+class Role(StrEnum):
+    INGRESS = "ingress"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CACHE_INDEX = "cache-index"
+    EVICTION = "eviction"
+    TEST = "test"
+
+
+class Heartbeat(Message):
+    """A worker's liveness record, the value under its id in the `workers` KV bucket.
+
+    Written every heartbeat interval with a per-message TTL; when writes stop the
+    key expires and watchers see the worker go away. `seq` increases by one per
+    write of this process, so a restarted worker is recognisable by a new
+    `started_at` and a reset `seq`.
+    """
+
+    worker_id: str = Field(min_length=1)
+    role: Role
+    load: float = Field(ge=0.0)  # 0..capacity: what the worker is doing now (running sequences)
+    capacity: float = Field(ge=0.0)
+    started_at: datetime
+    http_endpoint: str  # "http://host:port" of its side server: /healthz /readyz /metrics
+    seq: int = Field(ge=0)
+
+
+class ErrorReply(Message):
+    """The body a request/reply endpoint answers with when its handler failed."""
+
+    error: str
+    retriable: bool = True

@@ -1,0 +1,191 @@
+"""JetStream streams, durable consumers and KV buckets, as code, with explicit limits.
+
+`declare_all(js, replicas)` creates or updates every stream, every shared
+durable consumer and the `workers` bucket; it is idempotent and safe to run
+from several processes at once (the stack launcher runs it after NATS is up;
+tests run it per server). Per-worker consumers are declared by the consumer
+loop that uses them, through `declare_consumer`, with the same create-or-update.
+
+All streams use file storage (the server syncs every write: an acked message
+survives a crash) and a 2-minute duplicate window for `Nats-Msg-Id`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import BadRequestError
+
+from shared.protocol import subjects
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+MINUTE = 60.0
+HOUR = 60 * MINUTE
+DAY = 24 * HOUR
+
+_STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: exists with another config -> update it
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """One stream and its limits; `replicas` is set at declaration time (1 local, 3 in a cluster)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    max_bytes: int
+    max_msg_size: int
+    work_queue: bool = False  # each message taken by one consumer, deleted once acked
+    duplicate_window_s: float = 2 * MINUTE
+    description: str = ""
+
+    def config(self, replicas: int = 1) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=self.name,
+            description=self.description or None,
+            subjects=list(self.subjects),
+            retention=api.RetentionPolicy.WORK_QUEUE if self.work_queue else api.RetentionPolicy.LIMITS,
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msg_size=self.max_msg_size,
+            max_msgs=-1,
+            discard=api.DiscardPolicy.OLD,
+            storage=api.StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=self.duplicate_window_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    """A durable pull consumer.
+
+    `max_deliver` is the number of handler attempts before the consumer loop
+    dead-letters a message. The server is told one more, so a message whose
+    last attempt died with its process (no verdict) still comes back once and
+    the loop can dead-letter it instead of the server dropping it silently.
+    """
+
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    deliver_new_only: bool = False  # True: skip what was in the stream before the consumer existed
+
+    def config(self) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
+            name=self.durable,
+            durable_name=self.durable,
+            filter_subject=self.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver + 1,
+            max_ack_pending=self.max_ack_pending,
+            deliver_policy=api.DeliverPolicy.NEW if self.deliver_new_only else api.DeliverPolicy.ALL,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """A JetStream KV bucket whose entries carry their own TTL (`msg_ttl` on each write).
+
+    When an entry's TTL runs out the server drops it and leaves a delete marker
+    for `marker_ttl_s`, which is what lets a watcher see the key go away.
+    """
+
+    name: str
+    max_bytes: int
+    max_value_size: int
+    history: int = 1
+    marker_ttl_s: float = 60.0
+    description: str = ""
+
+    @property
+    def stream_name(self) -> str:
+        return f"KV_{self.name}"
+
+    def config(self, replicas: int = 1) -> api.StreamConfig:
+        # The stream nats-py's create_key_value would build (same fields), declared here so
+        # the bucket goes through the same create-or-update path as every other stream.
+        return api.StreamConfig(
+            name=self.stream_name,
+            description=self.description or None,
+            subjects=[f"$KV.{self.name}.>"],
+            allow_direct=True,
+            allow_rollup_hdrs=True,
+            allow_msg_ttl=True,
+            subject_delete_marker_ttl=self.marker_ttl_s,
+            deny_delete=True,
+            discard=api.DiscardPolicy.NEW,
+            duplicate_window=2 * MINUTE,
+            max_bytes=self.max_bytes,
+            max_consumers=-1,
+            max_msg_size=self.max_value_size,
+            max_msgs=-1,
+            max_msgs_per_subject=self.history,
+            num_replicas=replicas,
+            storage=api.StorageType.FILE,
+        )
+
+
+JOBS = StreamSpec("JOBS", (subjects.JOBS_ALL,), 15 * MINUTE, 1 * GiB, 1 * MiB, work_queue=True,
+                  description="ingress -> prefill/decode jobs")
+HANDOFF = StreamSpec("HANDOFF", (subjects.HANDOFF_ALL,), 15 * MINUTE, 1 * GiB, 4 * MiB, work_queue=True,
+                     description="prefill -> decode KV block handles")
+TOKENS = StreamSpec("TOKENS", (subjects.TOKENS_ALL,), 10 * MINUTE, 1 * GiB, 256 * 1024,
+                    description="decode -> ingress token streams")
+KV_EVENTS = StreamSpec("KV_EVENTS", (subjects.KV_EVENTS_ALL,), 1 * DAY, 2 * GiB, 1 * MiB,
+                       description="KV block stored/removed events for the cache index")
+COMMANDS = StreamSpec("COMMANDS", (subjects.COMMANDS_ALL,), 1 * HOUR, 256 * MiB, 1 * MiB, work_queue=True,
+                      description="commands to one worker: demote, delete, drain")
+DEAD_LETTER = StreamSpec("DEAD_LETTER", (subjects.DEAD_LETTER_ALL,), 7 * DAY, 1 * GiB, 8 * MiB,
+                         description="poison messages with the reason in headers")
+ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMANDS, DEAD_LETTER)
+
+WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size=64 * 1024,
+                     description="worker heartbeats, one key per worker id, expiring by TTL")
+ALL_BUCKETS: tuple[BucketSpec, ...] = (WORKERS,)
+
+# Shared durable consumers: the role queues any free worker takes from, and the index's event feed.
+PREFILL_ANY = ConsumerSpec(JOBS.name, "prefill-any", subjects.jobs_prefill())
+DECODE_ANY = ConsumerSpec(JOBS.name, "decode-any", subjects.jobs_decode())
+HANDOFF_ANY = ConsumerSpec(HANDOFF.name, "handoff-any", subjects.handoff())
+CACHE_INDEX = ConsumerSpec(KV_EVENTS.name, "cache-index", subjects.KV_EVENTS_ALL, max_deliver=10)
+ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (PREFILL_ANY, DECODE_ANY, HANDOFF_ANY, CACHE_INDEX)
+
+
+def worker_consumer(stream: StreamSpec, role: str, worker_id: str, filter_subject: str) -> ConsumerSpec:
+    """The durable consumer of one worker on its own subject (e.g. jobs addressed to it)."""
+    return ConsumerSpec(stream.name, f"{subjects.token(role)}-{subjects.token(worker_id)}", filter_subject)
+
+
+async def declare_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
+    """Create the stream, or update it in place when it exists with another config."""
+    try:
+        return await js.add_stream(config)
+    except BadRequestError as exc:
+        if exc.err_code != _STREAM_NAME_IN_USE:
+            raise
+    return await js.update_stream(config)
+
+
+async def declare_consumer(js: JetStreamContext, spec: ConsumerSpec) -> api.ConsumerInfo:
+    """Create or update a durable consumer (the server's CONSUMER.CREATE does both since 2.10)."""
+    return await js.add_consumer(spec.stream, spec.config())
+
+
+async def declare_all(js: JetStreamContext, replicas: int = 1) -> None:
+    """Create or update all streams, shared consumers and KV buckets; idempotent."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    for stream in ALL_STREAMS:
+        await declare_stream(js, stream.config(replicas))
+    for bucket in ALL_BUCKETS:
+        await declare_stream(js, bucket.config(replicas))
+    for consumer in ALL_CONSUMERS:
+        await declare_consumer(js, consumer)
+
