@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.dispatch import use_triton
 
@@ -90,12 +91,8 @@ def _prefill(
     k = kv_layer[0][ids].view(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
     v = kv_layer[1][ids].view(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
     qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
-    prefix = ctx - qlen
-    if prefix == 0:
-        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Causal aligned bottom-right: query j sees keys 0 .. prefix + j.
-        qpos = torch.arange(prefix, ctx, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # Causal aligned bottom-right (query j sees keys 0 .. ctx - qlen + j); with no
+    # cached prefix this is plain is_causal and takes SDPA's causal fast path.
+    mask = causal_lower_right(qlen, ctx)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start : start + qlen] = o[0].transpose(0, 1)

@@ -1,0 +1,143 @@
+"""Triton paged attention: one varlen kernel for prefill, chunked prefill and decode.
+
+Program (seq, query tile, kv head) owns ``BLOCK_Q`` new tokens of one
+sequence times the ``G = Hq // Hkv`` query heads that share the kv head,
+packed as rows, so decode (BLOCK_Q = 1) still fills a tile with GQA heads.
+It walks the sequence's blocks (one cache block per step, online softmax)
+up to the last key its latest token may see; the mask is causal across the
+cached prefix and the new tokens. Contract: kernels/paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_PREFILL_ROWS = 64  # rows per tile (tokens x group heads) when any sequence is multi-token
+_MIN_ROWS = 16  # tl.dot wants at least 16 rows
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    qstart_ptr,
+    qlen_ptr,
+    ctx_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    head_dim,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile_start = tl.program_id(1) * BLOCK_Q
+    kvh = tl.program_id(2)
+    qlen = tl.load(qlen_ptr + seq)
+    if tile_start < qlen:
+        ctx = tl.load(ctx_ptr + seq)
+        q0 = tl.load(qstart_ptr + seq).to(tl.int64)
+        r = tl.arange(0, BLOCK_M)
+        tok = tile_start + r // G
+        head = kvh * G + r % G
+        row_ok = (r < BLOCK_Q * G) & (tok < qlen)
+        qpos = ctx - qlen + tok  # absolute position of each row's token
+        d = tl.arange(0, BLOCK_D)
+        dm = d < head_dim
+        q_rows = (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_rows, mask=row_ok[:, None] & dm[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        last_tok = tl.minimum(tile_start + BLOCK_Q, qlen) - 1
+        num_blocks = tl.cdiv(ctx - qlen + last_tok + 1, BLOCK_N)
+        n = tl.arange(0, BLOCK_N)
+        kv_off = n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        for b in range(0, num_blocks):
+            bid = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
+            k = tl.load(k_ptr + bid * stride_kb + kv_off, mask=dm[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            kpos = b * BLOCK_N + n
+            # Key 0 is visible to every row, so each row's running max is finite
+            # after block 0 and fully masked later blocks add exact zeros.
+            visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + bid * stride_kb + kv_off, mask=dm[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        o_rows = (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [T, Hq, D]; arguments as in kernels.paged_attention."""
+    t, hq, d = q.shape
+    _, _, bs, hkv, _ = kv_layer.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    assert hq % hkv == 0 and bs == triton.next_power_of_2(bs), "GQA groups and power-of-two block_size"
+    assert kv_layer.stride(-1) == 1, "head_dim must be the innermost, contiguous axis"
+    group = hq // hkv
+    max_qlen = int(query_lens.max())
+    # Decode packs only the group's heads into a tile; prefill adds tokens up to ~64 rows.
+    block_q = 1 if max_qlen == 1 else max(1, _PREFILL_ROWS // group)
+    block_m = max(_MIN_ROWS, triton.next_power_of_2(block_q * group))
+    qstart = (torch.cumsum(query_lens, 0) - query_lens).to(torch.int32)
+    block_tables = block_tables.contiguous()
+    grid = (query_lens.shape[0], triton.cdiv(max_qlen, block_q), hkv)
+    _paged_attention_kernel[grid](
+        q,
+        kv_layer[0],
+        kv_layer[1],
+        out,
+        block_tables,
+        qstart,
+        query_lens.contiguous(),
+        context_lens.contiguous(),
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        block_tables.stride(0),
+        d,
+        G=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=bs,
+        BLOCK_D=triton.next_power_of_2(d),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
