@@ -1,0 +1,30 @@
+"""A KV block handle: where a block lives and how to check what comes back.
+
+Prefill hands decode a list of these over NATS; the cache index stores them.
+A handle is small (no tensor bytes) and self-verifying: `checksum` is the
+xxh3-128 stored at the end of the encoded block, so a resolver can reject a
+stale copy even if it decodes cleanly.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from shared.tiers.miss import Tier
+
+
+class BlockHandle(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    schema_version: int = 1
+    block_hash: str  # hex of the 32-byte chained hash
+    tier: Tier  # where the producer put it
+    worker_id: str = ""  # owner of the L1/L2 copy ("" = none)
+    object_key: str = ""  # L3 object holding it ("" = not in L3)
+    offset: int = 0  # byte offset of the block inside object_key (grouped chunk)
+    size: int  # encoded size in bytes
+    checksum: str  # hex xxh3-128 of the encoded block (its trailer)
+
+    @property
+    def hash_bytes(self) -> bytes:
+        return bytes.fromhex(self.block_hash)

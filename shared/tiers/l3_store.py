@@ -1,0 +1,194 @@
+"""L3: content-addressed KV chunks in S3, read and written through the minio SDK.
+
+Key: ``{model fingerprint}/{namespace}/{hash of the chunk's last block}``.
+A prompt's chain of blocks is cut at fixed positions (every `chunk_blocks`
+blocks, ~256 tokens, as LMCache does), so a later prompt sharing the prefix
+computes the same keys from its own hashes; the final partial chunk is keyed
+by its last block. Inside, a table of contents gives each block's offset
+(chunk_format.py), so a handle (key + offset + size) is one ranged GET.
+
+Writes stat first and skip existing objects (idempotent; a racing identical
+PUT is harmless: S3 PUT is atomic per object). Every call goes through the
+circuit breaker: while it is open, reads are `TIER_DOWN` misses and writes
+raise `L3Unavailable` at once.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+
+import urllib3
+from minio import Minio
+from minio.error import S3Error
+
+from shared.tiers.block_format import StoredBlock, checksum_of, decode_block
+from shared.tiers.chunk_format import decode_toc, encode_chunk, toc_size
+from shared.tiers.circuit_breaker import CircuitBreaker
+from shared.tiers.handle import BlockHandle
+from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
+
+_ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+# Failures that mean "S3 is not answering properly" (they count against the breaker).
+_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, S3Error)
+
+
+class L3Unavailable(RuntimeError):
+    """S3 did not take a write (down, breaker open, or an error); the caller may retry."""
+
+
+@dataclass(slots=True)
+class L3Stats:
+    chunks_written: int = 0
+    chunks_skipped: int = 0  # already present: idempotent write
+
+
+@dataclass
+class L3Store:
+    client: Minio
+    bucket: str
+    fingerprint: str
+    chunk_blocks: int = 16  # l3_chunk_tokens // block_size
+    ttl_s: int = 7 * 24 * 3600
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    counters: MissCounters = field(default_factory=MissCounters)
+    stats: L3Stats = field(default_factory=L3Stats)
+
+    def key(self, namespace: str, last_hash: bytes) -> str:
+        return f"{self.fingerprint}/{namespace}/{last_hash.hex()}"
+
+    def chunk_ranges(self, num_blocks: int) -> list[range]:
+        """Block positions of each chunk of a chain starting at position 0."""
+        k = self.chunk_blocks
+        return [range(i, min(i + k, num_blocks)) for i in range(0, num_blocks, k)]
+
+    def ensure_bucket(self) -> None:
+        if not self.client.bucket_exists(self.bucket):
+            self.client.make_bucket(self.bucket)
+
+    # -- writes -----------------------------------------------------------
+
+    def put_chain(self, namespace: str, chain: list) -> list[BlockHandle]:
+        """Store a prompt's encoded blocks (position 0 first) as chunks; handles for all."""
+        handles: list[BlockHandle] = []
+        for positions in self.chunk_ranges(len(chain)):
+            handles += self.put_chunk(namespace, [chain[i] for i in positions])
+        return handles
+
+    def put_chunk(self, namespace: str, blocks: list) -> list[BlockHandle]:
+        """Write one chunk unless its object exists; raises L3Unavailable."""
+        body, entries = encode_chunk(blocks)
+        key = self.key(namespace, entries[-1][0])
+        handles = [BlockHandle(block_hash=h.hex(), tier=Tier.L3, object_key=key, offset=off, size=size,
+                               checksum=checksum_of(memoryview(blocks[i])[:size]).hex())
+                   for i, (h, off, size) in enumerate(entries)]
+        if not self.breaker.allow():
+            raise L3Unavailable("L3 circuit open")
+        try:
+            if self._exists(key):
+                self.stats.chunks_skipped += 1
+            else:
+                meta = {"namespace": namespace, "ttl-s": str(self.ttl_s), "last-access": f"{time.time():.0f}",
+                        "blocks": str(len(blocks)), "fingerprint": self.fingerprint}
+                self.client.put_object(self.bucket, key, io.BytesIO(body), len(body),
+                                       content_type="application/octet-stream", metadata=meta)
+                self.stats.chunks_written += 1
+        except _DOWN_ERRORS as exc:
+            self.breaker.record_failure()
+            raise L3Unavailable(f"put {key}: {exc}") from exc
+        self.breaker.record_success()
+        return handles
+
+    # -- reads ------------------------------------------------------------
+
+    def get_block(self, handle: BlockHandle) -> StoredBlock | Miss:
+        """One block by handle: a ranged GET, verified against hash, fingerprint and checksum."""
+        if not handle.object_key:
+            return self._miss(MissReason.NOT_FOUND, "handle has no L3 key")
+        buf = self._read(handle.object_key, handle.offset, handle.size)
+        if isinstance(buf, Miss):
+            return buf
+        if checksum_of(buf).hex() != handle.checksum:
+            return self._miss(MissReason.CHECKSUM, "checksum differs from the handle")
+        return self._decode(buf, handle.hash_bytes)
+
+    def get_chunk(self, key: str) -> list[StoredBlock] | Miss:
+        """Every block of one object, each verified; any bad block makes the whole chunk a miss."""
+        buf = self._read(key, 0, 0)
+        if isinstance(buf, Miss):
+            return buf
+        try:
+            entries = decode_toc(buf)
+        except BlockMiss as miss:
+            return self._miss(miss.reason, miss.detail)
+        out: list[StoredBlock] = []
+        for block_hash, off, size in entries:
+            block = self._decode(memoryview(buf)[off:off + size], block_hash)
+            if isinstance(block, Miss):
+                return block
+            out.append(block)
+        return out
+
+    def load_prefix(self, namespace: str, hashes: list[bytes]) -> list[StoredBlock]:
+        """The longest prefix of `hashes` (a prompt's chain) found in L3, chunk by chunk."""
+        found: list[StoredBlock] = []
+        for positions in self.chunk_ranges(len(hashes)):
+            chunk = self.get_chunk(self.key(namespace, hashes[positions[-1]]))
+            if isinstance(chunk, Miss) or [b.header.block_hash for b in chunk] != [hashes[i] for i in positions]:
+                break
+            found += chunk
+        return found
+
+    def read_toc(self, key: str, max_blocks: int = 256) -> list[tuple[bytes, int, int]] | Miss:
+        """The table of contents alone (one ranged GET), to find a block by hash in a known object."""
+        buf = self._read(key, 0, toc_size(max_blocks))
+        if isinstance(buf, Miss):
+            return buf
+        try:
+            return decode_toc(buf)
+        except BlockMiss as miss:
+            return self._miss(miss.reason, miss.detail)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self.client.stat_object(self.bucket, key)
+            return True
+        except S3Error as exc:
+            if exc.code in _ABSENT:
+                return False
+            raise
+
+    def _read(self, key: str, offset: int, length: int) -> bytes | Miss:
+        if not self.breaker.allow():
+            return self._miss(MissReason.TIER_DOWN, "L3 circuit open")
+        resp = None
+        try:
+            resp = self.client.get_object(self.bucket, key, offset=offset, length=length)
+            data = resp.read()
+        except S3Error as exc:
+            if exc.code in _ABSENT:
+                self.breaker.record_success()
+                return self._miss(MissReason.NOT_FOUND, key)
+            self.breaker.record_failure()
+            return self._miss(MissReason.UNAVAILABLE, str(exc))
+        except _DOWN_ERRORS as exc:
+            self.breaker.record_failure()
+            return self._miss(MissReason.UNAVAILABLE, str(exc))
+        finally:
+            if resp is not None:
+                resp.close()
+                resp.release_conn()
+        self.breaker.record_success()
+        return data
+
+    def _decode(self, buf, block_hash: bytes) -> StoredBlock | Miss:
+        try:
+            return decode_block(buf, self.fingerprint, block_hash)
+        except BlockMiss as miss:
+            return self._miss(miss.reason, miss.detail)
+
+    def _miss(self, reason: MissReason, detail: str = "") -> Miss:
+        return self.counters.record(Miss(Tier.L3, reason, detail))
