@@ -1,0 +1,278 @@
+"""The in-process engine: requests in, tokens out, KV blocks reusable across requests.
+
+`Engine` owns the KV pool tensor, the prefix cache and the scheduler.
+`step()` runs one scheduler step (one forward pass) and reports the
+requests that got tokens or finished. Finished requests leave their full
+blocks (prompt + output) cached, so the next turn of a conversation hits.
+`export_blocks` / `import_blocks` move cached blocks out of and into the
+pool as `KVBlock`s (tiers, prefill -> decode handoff).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kernels.block_copy import gather_blocks, scatter_blocks
+from shared.cache_policy.base import EvictionPolicy
+from shared.config import EngineSettings
+from shared.engine.batch_builder import build_forward_batch
+from shared.engine.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
+from shared.engine.block_pool import BlockPool
+from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.engine.kv_block import KVBlock
+from shared.engine.loader import LoadedModel
+from shared.engine.prefix_cache import KVEventListener, PrefixCache
+from shared.engine.request import Request, RequestOutput, RequestStatus
+from shared.engine.sampling import SamplingParams, make_generator, sample
+from shared.engine.scheduler import ScheduledSeq, Scheduler
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        settings: EngineSettings,
+        policy: EvictionPolicy | None = None,
+        listener: KVEventListener | None = None,
+    ) -> None:
+        cfg = loaded.config
+        self.loaded = loaded
+        self.settings = settings
+        self.block_size = settings.block_size
+        # The pool holds K/V in the model's compute dtype: that is what the model writes.
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, settings.num_blocks, settings.block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=cfg.dtype,
+            device=settings.device,
+        )
+        block_bytes = cfg.kv_bytes_per_token() * settings.block_size
+        self.cache = PrefixCache(BlockPool(settings.num_blocks), settings.block_size, policy, listener, block_bytes=block_bytes)
+        self.scheduler = Scheduler(settings, self.cache)
+        self._requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
+        self._keys: dict[tuple[bytes, str], HashKeys] = {}
+        self._eos = frozenset(cfg.eos_token_ids)
+        self._max_len = cfg.max_position_embeddings
+
+    # --- requests ------------------------------------------------------
+
+    def hash_keys(self, tenant_salt: bytes = b"", adapter: str = "") -> HashKeys:
+        keys = self._keys.get((tenant_salt, adapter))
+        if keys is None:
+            keys = HashKeys(self.loaded.fingerprint, tenant_salt, adapter)
+            self._keys[(tenant_salt, adapter)] = keys
+        return keys
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tenant_salt: bytes = b"",
+        adapter: str = "",
+    ) -> None:
+        """Queue a request; ValueError for an empty prompt, one past the context, or a duplicate id."""
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self._max_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds the context of {self._max_len} tokens"
+            )
+        if -(-total // self.block_size) > self.settings.num_blocks:
+            raise ValueError(f"request {request_id!r}: needs more KV blocks than the pool has ({self.settings.num_blocks})")
+        if params.stop and not params.detokenize:
+            raise ValueError(f"request {request_id!r}: stop strings need detokenize=True")
+        req = Request(
+            request_id=request_id,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            keys=self.hash_keys(tenant_salt, adapter),
+            block_size=self.block_size,
+            arrival_time=time.monotonic(),
+            generator=make_generator(params),
+        )
+        if params.detokenize:
+            req.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, params.stop)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; the next `step()` reports it finished with reason "abort"."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        self._pending.append(self._output(req, [], time.monotonic()))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # --- one step ------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        batch = build_forward_batch(scheduled, self.block_size, self.settings.device)
+        logits = self.loaded.model(batch, self.kv_cache)
+        self.scheduler.commit(scheduled)
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        if not rows:
+            return outputs
+        sampled: list[ScheduledSeq] = [scheduled[i] for i in rows]
+        if len(rows) != len(scheduled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(
+            logits.float(),
+            [s.request.params for s in sampled],
+            [s.request.generator for s in sampled],
+        )
+        now = time.monotonic()
+        for s, tok in zip(sampled, tokens):
+            outputs.append(self._advance(s.request, tok, now))
+        return outputs
+
+    def _advance(self, req: Request, tok: int, now: float) -> RequestOutput:
+        req.append_token(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
+            req.finish_reason = "stop"
+        elif req.detokenizer is not None and req.detokenizer.add(tok):
+            req.finish_reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.scheduler.remove(req)
+            del self._requests[req.request_id]
+        return self._output(req, [tok], now)
+
+    def _output(self, req: Request, new: list[int], now: float) -> RequestOutput:
+        finished = req.finish_reason is not None
+        detok = req.detokenizer
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            token_ids=req.output_ids,
+            text_delta=detok.take_delta(finished) if detok is not None else "",
+            text=detok.text if detok is not None else "",
+            finished=finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=req.cached_tokens or 0,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=now if finished else None,
+        )
+
+    # --- convenience ---------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        tenant_salt: bytes = b"",
+        adapter: str = "",
+    ) -> list[RequestOutput]:
+        """Run the prompts (batched together) to completion; final outputs in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        base = f"gen-{id(self)}-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, list(prompt), p, tenant_salt, adapter)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # --- cache surface -------------------------------------------------
+
+    def block_hashes(self, prompt_ids: Sequence[int], tenant_salt: bytes = b"", adapter: str = "") -> list[BlockHash]:
+        """Chained hashes of the full blocks of prompt_ids."""
+        return hash_blocks(prompt_ids, self.block_size, self.hash_keys(tenant_salt, adapter))
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], tenant_salt: bytes = b"", adapter: str = "") -> int:
+        """How many leading tokens of prompt_ids are in the pool now (no side effects)."""
+        hashes = self.block_hashes(prompt_ids, tenant_salt, adapter)
+        return len(self.cache.lookup(hashes, prompt_ids)) * self.block_size
+
+    def export_blocks(self, hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        """The leading run of `hashes` that is cached, as KVBlocks with CPU tensors."""
+        blocks = []
+        for h in hashes:
+            block = self.cache.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return []
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+        data = gather_blocks(self.kv_cache, ids).cpu()
+        return [
+            KVBlock(block_hash=b.block_hash, parent_hash=b.parent_hash, token_ids=b.token_ids, data=data[i])
+            for i, b in enumerate(blocks)
+        ]
+
+    def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "") -> int:
+        """Insert a chain of blocks into the pool and prefix cache; returns how many were newly inserted.
+
+        Stops at the first block that does not verify: wrong shape, parent
+        neither cached nor earlier in the list, or a hash that is not
+        H(parent, tokens, this engine's keys for tenant_salt/adapter).
+        Blocks already cached are skipped (not counted).
+        """
+        keys = self.hash_keys(tenant_salt, adapter)
+        cfg = self.loaded.config
+        shape = (cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        known: set[bytes] = set()
+        todo: list[tuple[KVBlock, int]] = []  # (block, depth)
+        depth_of: dict[bytes, int] = {}
+        for kb in blocks:
+            parent = kb.parent_hash
+            if tuple(kb.data.shape) != shape or len(kb.token_ids) != self.block_size:
+                break
+            if parent is not None and parent not in known and parent not in self.cache:
+                break
+            if hash_block(BlockHash(parent) if parent is not None else None, kb.token_ids, keys) != kb.block_hash:
+                break
+            depth = 0 if parent is None else depth_of.get(parent, self._depth(parent)) + 1
+            depth_of[kb.block_hash] = depth
+            known.add(kb.block_hash)
+            if kb.block_hash not in self.cache:
+                todo.append((kb, depth))
+        if not todo:
+            return 0
+        fresh = self.cache.allocate(min(len(todo), self.cache.num_allocatable))
+        if not fresh:
+            return 0
+        todo = todo[: len(fresh)]
+        ids = torch.tensor([b.block_id for b in fresh], dtype=torch.long)
+        scatter_blocks(self.kv_cache, ids, torch.stack([kb.data for kb, _ in todo]))
+        stored = []
+        for block, (kb, depth) in zip(fresh, todo):
+            parent = BlockHash(kb.parent_hash) if kb.parent_hash is not None else None
+            if self.cache.store(block, BlockHash(kb.block_hash), parent, tuple(kb.token_ids), depth):
+                stored.append(block)
+        self.cache.release(fresh)
+        return len(stored)
+
+    def _depth(self, block_hash: bytes) -> int:
+        block = self.cache.get(BlockHash(block_hash))
+        info = self.cache.info(block) if block is not None else None
+        return info.depth if info is not None else 0

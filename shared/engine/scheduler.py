@@ -1,0 +1,149 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends at most `max_num_batched_tokens` new tokens: first one
+token for every running decode (decodes are never starved by a long
+prefill), then chunks of running prefills, then newly admitted requests
+(FCFS, prefix-cache hits skip their cached tokens). When the pool has no
+block for a running request, the newest running request is preempted: its
+blocks are released (full ones stay cached, so its recompute mostly hits)
+and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.config import EngineSettings
+from shared.engine.prefix_cache import PrefixCache
+from shared.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    num_new: int  # tokens computed for it this step
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+class Scheduler:
+    def __init__(self, settings: EngineSettings, cache: PrefixCache) -> None:
+        self.settings = settings
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished or aborted) and release its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.cache.release(request.blocks)
+        request.blocks = []
+        request.status = RequestStatus.FINISHED
+
+    # --- one step ------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.settings.max_num_batched_tokens
+        planned: dict[Request, int] = {}
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._grow(req, n, planned):
+                continue  # req itself was preempted
+            planned[req] = n
+            budget -= n
+        budget = self.settings.max_num_batched_tokens - sum(planned.values())
+        while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
+            n = self._admit(self.waiting[0], budget)
+            if n == 0:
+                break
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            planned[req] = n
+            budget -= n
+        return [
+            ScheduledSeq(r, n, r.num_computed + n == r.num_tokens)
+            for r, n in planned.items()
+        ]
+
+    def commit(self, scheduled: list[ScheduledSeq]) -> None:
+        """After the forward pass: count the computed tokens and cache blocks that became full."""
+        bs = self.block_size
+        for s in scheduled:
+            req = s.request
+            req.num_computed += s.num_new
+            for i in range(req.num_cached_blocks, req.num_computed // bs):
+                parent = req.block_hashes[i - 1] if i > 0 else None
+                self.cache.store(req.blocks[i], req.block_hashes[i], parent, req.block_tokens(i), depth=i)
+            req.num_cached_blocks = max(req.num_cached_blocks, req.num_computed // bs)
+
+    # --- internals -----------------------------------------------------
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return -(-(req.num_computed + n) // self.block_size) - len(req.blocks)
+
+    def _grow(self, req: Request, n: int, planned: dict[Request, int]) -> bool:
+        """Give req blocks for n more tokens, preempting the newest requests if needed."""
+        need = self._blocks_needed(req, n)
+        while need > self.cache.num_allocatable:
+            victim = self.running[-1]
+            self._preempt(victim)
+            planned.pop(victim, None)
+            if victim is req:
+                return False
+        if need > 0:
+            blocks = self.cache.allocate(need)
+            assert blocks is not None
+            req.blocks.extend(blocks)
+        return True
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Attach the cached prefix and blocks for the first chunk; 0 if it does not fit now."""
+        bs = self.block_size
+        # At least one token must be computed to get logits: never hit the whole sequence.
+        max_hit_blocks = (req.num_tokens - 1) // bs
+        hashes = req.block_hashes[:max_hit_blocks]
+        hit = self.cache.lookup(hashes, req.token_ids)
+        hit_tokens = len(hit) * bs
+        n = min(req.num_tokens - hit_tokens, budget)
+        need = -(-(hit_tokens + n) // bs) - len(hit)
+        reclaimed = sum(1 for b in hit if b.ref_count == 0)  # evictable now, in use once taken
+        if need > self.cache.num_allocatable - reclaimed:
+            return 0
+        hit = self.cache.acquire_prefix(hashes, req.token_ids)
+        fresh = self.cache.allocate(need) if need > 0 else []
+        assert fresh is not None
+        req.blocks = hit + fresh
+        req.num_computed = hit_tokens
+        req.num_cached_blocks = len(hit)
+        if req.cached_tokens is None:
+            req.cached_tokens = min(hit_tokens, req.num_prompt_tokens)
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
