@@ -32,3 +32,4 @@ def version() -> None:
     from importlib.metadata import version as dist_version
 
     typer.echo(dist_version("kvmesh"))
+from shared.cli import model as _model; app.add_typer(_model.app, name="model")  # noqa: E402

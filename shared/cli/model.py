@@ -1,0 +1,59 @@
+"""`kvmesh model init|info`: write a seeded synthetic checkpoint, or describe one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Synthetic checkpoints and checkpoint info.", no_args_is_help=True)
+
+
+def _describe(model_dir: Path) -> dict:
+    from shared.engine.loader import load_model
+
+    loaded = load_model(model_dir)
+    cfg = loaded.config
+    return {
+        "path": str(model_dir),
+        "architecture": cfg.architecture,
+        "dtype": cfg.dtype_name,
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "vocab_size": cfg.vocab_size,
+        "num_layers": cfg.num_layers,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(),
+        "fingerprint": loaded.fingerprint,
+    }
+
+
+@app.command()
+def init(
+    out: Annotated[Path, typer.Option(help="Directory to write the checkpoint into.")],
+    preset: Annotated[str, typer.Option(help="tiny (tests) or small (benchmarks).")] = "tiny",
+    arch: Annotated[str, typer.Option(help="llama or qwen2.")] = "llama",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
+    shards: Annotated[int, typer.Option(help="Split weights into N safetensors shards.")] = 1,
+) -> None:
+    """Write a seeded synthetic HF-format checkpoint and print its summary as JSON."""
+    from shared.engine.presets import write_preset
+
+    try:
+        write_preset(out, preset, arch, dtype, seed, num_shards=shards)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(json.dumps(_describe(out)))
+
+
+@app.command()
+def info(model_dir: Annotated[Path, typer.Argument(help="HF-format checkpoint dir.")]) -> None:
+    """Load a checkpoint dir and print its geometry and fingerprint as JSON."""
+    from shared.engine.checkpoint_error import CheckpointError
+
+    try:
+        typer.echo(json.dumps(_describe(model_dir)))
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
