@@ -98,7 +98,7 @@ def test_preemption_takes_the_newest_and_its_blocks_stay_cached() -> None:
     planned = step(s)
     assert new.status is RequestStatus.RUNNING
     # Recompute of prompt + output mostly hit; the new token sampled this step is not computed yet.
-    assert new.num_computed == new.num_tokens - 1 and planned["new"] <= BS
+    assert new.num_computed == new.num_tokens - 1 and planned["new"] <= 2 * BS
 
 
 def test_budget_and_accounting_under_pressure() -> None:
