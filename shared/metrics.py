@@ -64,7 +64,7 @@ class ServiceMetrics:
                 buckets=_LATENCY_BUCKETS, registry=reg,
             ),
             publish_retries=counter(
-                "kvmesh_publish_retries", "JetStream publish attempts that failed and were retried.", ("stream",)
+                "kvmesh_publish_retries", "JetStream publish attempts that failed and were retried."
             ),
             requests_failed=counter("kvmesh_requests_failed", "Request/reply calls that timed out or failed."),
             heartbeat_age_seconds=Gauge(

@@ -54,7 +54,7 @@ class StreamSpec:
             discard=api.DiscardPolicy.OLD,
             storage=api.StorageType.FILE,
             num_replicas=replicas,
-            duplicate_window=self.duplicate_window_s,
+            duplicate_window=min(self.duplicate_window_s, self.max_age_s),  # the server demands <= max_age
         )
 
 

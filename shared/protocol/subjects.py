@@ -33,6 +33,11 @@ def token(value: str) -> str:
     return value
 
 
+def family(subject: str) -> str:
+    """The first two tokens (`kvmesh.jobs`, `$KV.workers`): a bounded metrics label for any subject."""
+    return ".".join(subject.split(".")[:2])
+
+
 # Jobs: ingress hands work to a role, either a chosen worker or the role's shared queue.
 JOBS_ALL = f"{ROOT}.jobs.>"
 

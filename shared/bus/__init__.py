@@ -1,0 +1,1 @@
+"""NATS plumbing every service shares: connect, publish with retry, pull-consumer loop, request/reply."""

@@ -1,0 +1,51 @@
+"""Helpers for bus and service tests: a connected client with all streams declared, and condition waits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from nats.aio.client import Client as NATS
+
+from shared.bus.connection import connect
+from shared.config import BusSettings
+from shared.protocol.streams import declare_all
+
+# Short deadlines so failing tests fail fast.
+FAST_BUS = BusSettings(
+    connect_timeout_s=2.0, reconnect_wait_min_s=0.05, reconnect_wait_max_s=0.5,
+    publish_timeout_s=1.0, publish_retry_total_s=20.0, publish_retry_min_s=0.05, publish_retry_max_s=0.5,
+    request_timeout_s=1.0, nak_delay_s=0.1, fetch_batch=4, fetch_timeout_s=0.5,
+)
+
+
+def unique(prefix: str = "t") -> str:
+    """A subject-safe id unique to this test run (tests share one session server)."""
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+@asynccontextmanager
+async def connected(url: str, name: str = "test") -> AsyncIterator[NATS]:
+    nc = await connect(url, name, FAST_BUS)
+    try:
+        await declare_all(nc.jetstream())
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:
+    """Poll `check` until true; fail with `what` after `timeout_s` (a deadline, never a fixed sleep)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
+        await asyncio.sleep(0.05)

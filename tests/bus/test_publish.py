@@ -1,0 +1,63 @@
+"""Publishing with Nats-Msg-Id dedup and a retry that rides out a NATS restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from shared.bus.connection import connect
+from shared.bus.publish import Publisher
+from shared.metrics import ServiceMetrics
+from shared.protocol import subjects
+from shared.protocol.streams import KV_EVENTS, declare_all
+
+from .helpers import FAST_BUS, connected, unique
+
+
+async def test_duplicate_msg_id_is_stored_once(nats_server):
+    subject = subjects.kv_events(unique("w"))
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        pub = Publisher(js, FAST_BUS)
+        first = await pub.publish(subject, b"block-stored", msg_id="evt-1")
+        again = await pub.publish(subject, b"block-stored", msg_id="evt-1")
+        other = await pub.publish(subject, b"block-removed", msg_id="evt-2")
+        assert again.duplicate and again.seq == first.seq
+        assert not other.duplicate
+        info = await js.stream_info(KV_EVENTS.name, subjects_filter=subject)
+        assert info.state.subjects == {subject: 2}
+
+
+async def test_publish_rides_out_nats_restart(fresh_nats_server):
+    server = fresh_nats_server
+    subject = subjects.kv_events("restart")
+    metrics = ServiceMetrics.create("test")
+    nc = await connect(server.url, "restart-test", FAST_BUS)
+    try:
+        js = nc.jetstream()
+        await declare_all(js)
+        pub = Publisher(js, FAST_BUS, metrics)
+        await pub.publish(subject, b"before", msg_id="m-0")
+
+        server.stop()
+        restarted = threading.Event()
+
+        def restart() -> None:
+            time.sleep(1.0)  # the outage the publish must ride out
+            server.start()  # same port, same data dir
+            restarted.set()
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        t0 = time.monotonic()
+        ack = await pub.publish(subject, b"during", msg_id="m-1")
+        elapsed = time.monotonic() - t0
+        thread.join()
+        assert restarted.is_set() and elapsed >= 0.9
+        assert ack.seq == 2 and not ack.duplicate
+        retries = metrics.registry.get_sample_value("kvmesh_publish_retries_total", {"subject": "kvmesh.kv"})
+        assert retries and retries >= 1
+        info = await js.stream_info(KV_EVENTS.name, subjects_filter=subject)
+        assert info.state.subjects == {subject: 2}  # persisted once, the earlier one survived the restart
+    finally:
+        await nc.close()

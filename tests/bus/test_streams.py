@@ -1,0 +1,47 @@
+"""Stream, consumer and bucket declaration against a real nats-server."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nats.js import api
+
+from shared.protocol import streams
+from shared.protocol.streams import StreamSpec, declare_all, declare_stream
+
+from .helpers import connected, unique
+
+
+async def test_declare_all_is_idempotent(nats_server):
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        await declare_all(js)  # second time (connected() declared once): no error, same config
+        for spec in streams.ALL_STREAMS:
+            info = await js.stream_info(spec.name)
+            assert info.config.max_bytes == spec.max_bytes
+            assert info.config.max_msg_size == spec.max_msg_size
+            assert info.config.max_age == spec.max_age_s
+            assert info.config.duplicate_window == min(spec.duplicate_window_s, spec.max_age_s)
+            assert info.config.storage == api.StorageType.FILE
+        workers = await js.stream_info(streams.WORKERS.stream_name)
+        assert workers.config.allow_msg_ttl is True
+        assert workers.config.subject_delete_marker_ttl == streams.WORKERS.marker_ttl_s
+        for consumer in streams.ALL_CONSUMERS:
+            ci = await js.consumer_info(consumer.stream, consumer.durable)
+            assert ci.config.filter_subject == consumer.filter_subject
+            assert ci.config.max_deliver == consumer.max_deliver + 1
+
+
+async def test_changed_limit_updates_existing_stream(nats_server):
+    name = unique("S").upper()
+    spec = StreamSpec(name, (f"{name.lower()}.>",), max_age_s=60.0, max_bytes=1 << 20, max_msg_size=1024)
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        await declare_stream(js, spec.config())
+        await js.publish(f"{name.lower()}.a", b"kept")
+        await declare_stream(js, spec.config())  # unchanged: a no-op
+        bigger = replace(spec, max_bytes=4 << 20, max_msg_size=4096, max_age_s=120.0)
+        info = await declare_stream(js, bigger.config())
+        assert (info.config.max_bytes, info.config.max_msg_size, info.config.max_age) == (4 << 20, 4096, 120.0)
+        assert info.state.messages == 1  # updated in place, not recreated
+        await js.delete_stream(name)
