@@ -101,7 +101,9 @@ def paged_attention_triton(
     """Attention output [T, Hq, D]; arguments as in kernels.paged_attention."""
     t, hq, d = q.shape
     _, _, bs, hkv, _ = kv_layer.shape
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     assert hq % hkv == 0 and bs == triton.next_power_of_2(bs), "GQA groups and power-of-two block_size"

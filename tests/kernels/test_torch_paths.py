@@ -1,9 +1,11 @@
-"""Quick checks of the torch paths against the dense references."""
+"""The torch paths (what runs on CPU) against dense references and HF's RoPE."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from paged_reference import dense_attention, dense_rope, make_case, rope_tables
 
 from kernels.block_copy import gather_blocks, scatter_blocks
@@ -67,3 +69,77 @@ def test_output_does_not_depend_on_cached_prefix(prefix: int) -> None:
     torch.testing.assert_close(split, ref, atol=2e-6, rtol=0)
     last = paged_attention(full.q[-1:], *args, torch.tensor([1], dtype=torch.int32), ctx_t, scale)
     torch.testing.assert_close(last, ref[-1:], atol=2e-6, rtol=0)
+
+
+def test_rope_matches_hf_llama3_scaled_bitwise() -> None:
+    """Tables built by HF's own LlamaRotaryEmbedding (llama3 scaling) and its apply_rotary_pos_emb."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as hf
+
+    d, hq, hkv, max_pos = 64, 4, 2, 2048
+    config = LlamaConfig(
+        hidden_size=d * hq,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        max_position_embeddings=max_pos,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    )
+    all_pos = torch.arange(max_pos)[None]
+    cos_full, sin_full = hf.LlamaRotaryEmbedding(config)(torch.zeros(1, 1, d), all_pos)
+    cos, sin = cos_full[0, :, : d // 2], sin_full[0, :, : d // 2]
+    g = torch.Generator().manual_seed(3)
+    t = 11
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    pos = torch.randint(0, max_pos, (t,), generator=g)
+    hq_out, hk_out = hf.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_full[:, pos], sin_full[:, pos]
+    )
+    rq, rk = apply_rope(q, k, pos, cos, sin)
+    assert torch.equal(rq, hq_out[0].transpose(0, 1))
+    assert torch.equal(rk, hk_out[0].transpose(0, 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    heads=st.sampled_from([(4, 1, 32), (8, 2, 64), (4, 4, 32), (6, 2, 16)]),
+    bs=st.sampled_from([16, 32]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_random_batches(data: st.DataObject, heads: tuple[int, int, int], bs: int, seed: int) -> None:
+    hq, hkv, d = heads
+    ctxs = data.draw(st.lists(st.integers(1, 4 * bs + 1), min_size=1, max_size=6))
+    seqs = [(data.draw(st.integers(1, c)), c) for c in ctxs]
+    case = make_case(seqs, hq, hkv, d, bs, seed=seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVMESH_KERNELS", "torch")
+        got = paged_attention(case.q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, 0.3)
+    torch.testing.assert_close(got, dense_attention(case, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_strided_q_and_write_kv_path() -> None:
+    """q as a view of a fused qkv projection; K/V written by write_kv before attending."""
+    hq, hkv, d, bs = 8, 2, 32, 16
+    case = make_case([(1, 30), (12, 12), (5, 21)], hq, hkv, d, bs, seed=11)
+    t = case.q.shape[0]
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    write_kv(case.kv_layer, k, v, case.slot_mapping)
+    row = 0
+    for i, (qlen, ctx) in enumerate(zip(case.query_lens.tolist(), case.context_lens.tolist(), strict=True)):
+        case.keys[i][ctx - qlen :] = k[row : row + qlen]
+        case.values[i][ctx - qlen :] = v[row : row + qlen]
+        row += qlen
+    case.q = q
+    got = paged_attention(q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, 0.2)
+    torch.testing.assert_close(got, dense_attention(case, 0.2), atol=1e-5, rtol=1e-5)

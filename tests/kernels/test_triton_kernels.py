@@ -1,0 +1,170 @@
+"""Every Triton kernel against the torch path and the dense reference, on CPU.
+
+The kernels run in the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
+before ``triton.jit`` decorates them, i.e. before kernels.triton.* is first
+imported (the public ops import it lazily on their first Triton call), so it
+is set here at import time. Shapes stay small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from paged_reference import dense_attention, dense_rope, make_case, rope_tables  # noqa: E402
+
+from kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
+from kernels.dispatch import ENV_VAR, use_triton  # noqa: E402
+from kernels.kv_write import write_kv  # noqa: E402
+from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.rope import apply_rope  # noqa: E402
+
+HEADS = [(4, 1, 32, 16), (8, 2, 64, 32), (4, 4, 32, 16), (2, 1, 48, 16)]  # (Hq, Hkv, D, block_size)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn, *args):
+    """(triton result, torch result) of one public op."""
+    monkeypatch.setenv(ENV_VAR, "triton")
+    tri = fn(*args)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    return tri, fn(*args)
+
+
+def _attention(case, scale: float):
+    return (paged_attention, case.q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, scale)
+
+
+def test_interpreter_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels.triton import paged_attention as module
+
+    assert isinstance(module._paged_attention_kernel, InterpretedFunction)
+    cpu = torch.zeros(1)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert use_triton(cpu)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert not use_triton(cpu)
+    monkeypatch.delenv(ENV_VAR)
+    assert not use_triton(cpu)  # auto: Triton only for CUDA tensors
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), HEADS)
+def test_paged_attention_mixed_batch(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, d: int, bs: int) -> None:
+    # decode at 1 / on / just past a block boundary, prefill without and with a prefix, chunked prefill
+    seqs = [(1, 1), (5, 5), (1, bs), (1, bs + 1), (7, 2 * bs + 3), (bs, 3 * bs), (bs + 1, bs + 1), (3, bs + 1)]
+    case = make_case(seqs, hq, hkv, d, bs, seed=d + hq)
+    scale = d**-0.5
+    tri, ref_torch = _both(monkeypatch, *_attention(case, scale))
+    torch.testing.assert_close(tri, dense_attention(case, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri, ref_torch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), HEADS[:2])
+def test_paged_attention_decode_only(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, d: int, bs: int) -> None:
+    case = make_case([(1, n) for n in (1, 2, bs - 1, bs, bs + 1, 3 * bs, 50)], hq, hkv, d, bs, seed=3)
+    tri, ref_torch = _both(monkeypatch, *_attention(case, 0.1))
+    torch.testing.assert_close(tri, dense_attention(case, 0.1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri, ref_torch, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case([(9, 40), (1, 17), (20, 20)], 8, 2, 32, 16, seed=5, dtype=torch.float16)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    tri = paged_attention(*_attention(case, 32**-0.5)[1:])
+    assert tri.dtype == torch.float16
+    torch.testing.assert_close(tri, dense_attention(case, 32**-0.5), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 16, 17, 40])
+def test_triton_cache_transparency(monkeypatch: pytest.MonkeyPatch, prefix: int) -> None:
+    """A token's output is the same whether its prefix is cached or computed in the call."""
+    monkeypatch.setenv(ENV_VAR, "triton")
+    ctx = 48
+    full = make_case([(ctx, ctx)], 8, 2, 32, 16, seed=7)
+    args = (full.kv_layer, full.block_tables)
+    ref = paged_attention(full.q, *args, full.query_lens, full.context_lens, 0.2)[prefix:]
+    qlen = torch.tensor([ctx - prefix], dtype=torch.int32)
+    split = paged_attention(full.q[prefix:], *args, qlen, full.context_lens, 0.2)
+    torch.testing.assert_close(split, ref, atol=2e-6, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    heads=st.sampled_from(HEADS),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_random_batches(data: st.DataObject, heads: tuple[int, int, int, int], seed: int) -> None:
+    hq, hkv, d, bs = heads
+    ctxs = data.draw(st.lists(st.integers(1, 3 * bs + 2), min_size=1, max_size=4))
+    seqs = [(data.draw(st.integers(1, min(c, bs + 3))), c) for c in ctxs]
+    case = make_case(seqs, hq, hkv, d, bs, seed=seed)
+    with pytest.MonkeyPatch.context() as mp:
+        tri, ref_torch = _both(mp, *_attention(case, d**-0.5))
+    torch.testing.assert_close(tri, dense_attention(case, d**-0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri, ref_torch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(7, 4, 1, 32), (5, 8, 2, 64), (1, 2, 2, 32), (3, 3, 1, 48)])
+def test_rope(monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int) -> None:
+    cos, sin = rope_tables(300, d)
+    g = torch.Generator().manual_seed(t)
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    pos = torch.randint(0, 300, (t,), generator=g)
+    (tq, tk), (rq, rk) = _both(monkeypatch, apply_rope, q, k, pos, cos, sin)
+    torch.testing.assert_close(tq, dense_rope(q, pos, cos, sin), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(tk, dense_rope(k, pos, cos, sin), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close((tq, tk), (rq, rk), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("hkv", "d", "bs"), [(1, 32, 16), (2, 64, 32), (3, 48, 16)])
+def test_write_kv(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int, bs: int) -> None:
+    g = torch.Generator().manual_seed(hkv)
+    cache = torch.randn(2, 2, 5, bs, hkv, d, generator=g)
+    t = 2 * bs + 1
+    k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    slots = torch.randperm(5 * bs, generator=g)[:t]
+    expected = cache.clone()
+    monkeypatch.setenv(ENV_VAR, "torch")
+    write_kv(expected[1], k, v, slots)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    write_kv(cache[1], k, v, slots)
+    assert torch.equal(cache, expected)  # layer 0 and untouched slots included
+    assert torch.equal(cache[1, 0].view(-1, hkv, d)[slots], k)
+
+
+@pytest.mark.parametrize(("hkv", "d", "bs"), [(2, 32, 16), (1, 64, 32)])
+def test_gather_scatter_blocks(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int, bs: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    cache = torch.randn(3, 2, 7, bs, hkv, d, generator=g)
+    ids = torch.tensor([5, 0, 3], dtype=torch.int32)
+    tri, ref_torch = _both(monkeypatch, gather_blocks, cache, ids)
+    assert tri.shape == (3, 3, 2, bs, hkv, d) and tri.is_contiguous()
+    assert torch.equal(tri, ref_torch) and torch.equal(tri[0], cache[:, :, 5])
+    dst_ids = torch.tensor([6, 1, 2])
+    expected = torch.randn(3, 2, 7, bs, hkv, d, generator=g)
+    target = expected.clone()
+    monkeypatch.setenv(ENV_VAR, "torch")
+    scatter_blocks(expected, dst_ids, tri)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    scatter_blocks(target, dst_ids, tri)
+    assert torch.equal(target, expected)
+    assert torch.equal(target[:, :, 6], cache[:, :, 5])
+
+
+def test_paged_attention_strided_q(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q as a view into a fused qkv projection gives the same output as a contiguous q."""
+    monkeypatch.setenv(ENV_VAR, "triton")
+    case = make_case([(1, 30), (6, 21)], 4, 1, 32, 16, seed=13)
+    t = case.q.shape[0]
+    fused = torch.cat((case.q.view(t, -1), torch.randn(t, 64)), dim=1)
+    strided = fused[:, : 4 * 32].view(t, 4, 32)
+    assert not strided.is_contiguous()
+    args = (case.kv_layer, case.block_tables, case.query_lens, case.context_lens, 0.2)
+    assert torch.equal(paged_attention(strided, *args), paged_attention(case.q, *args))
