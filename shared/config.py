@@ -46,6 +46,7 @@ class EngineSettings(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     eviction_policy: str = "lru"
+    enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
 
 
 class TierSettings(BaseModel):
