@@ -9,7 +9,7 @@ implement ``admit``; pure priority policies admit everything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(slots=True)
@@ -38,6 +38,17 @@ class EvictionPolicy(Protocol):
     def admit(self, info: BlockInfo, now: float) -> bool:
         """Whether a newly computed block is worth caching at all."""
         ...
+
+
+@runtime_checkable
+class AccessObserver(Protocol):
+    """Optional side of a policy that keeps history across evictions (frequency, ghosts).
+
+    A cache calls ``on_access`` once per block of every request, hit or miss,
+    before asking ``priority``/``admit`` about that request's blocks.
+    """
+
+    def on_access(self, block_hash: bytes, now: float) -> None: ...
 
 
 class LRUPolicy:

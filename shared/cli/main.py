@@ -33,3 +33,4 @@ def version() -> None:
 
     typer.echo(dist_version("kvmesh"))
 from shared.cli import model as _model; app.add_typer(_model.app, name="model")  # noqa: E402
+from shared.cli import sim as _sim; app.command(name="sim")(_sim.sim)  # noqa: E402

@@ -1,0 +1,63 @@
+"""The default policy: keep blocks by expected reuse x recompute cost / bytes.
+
+    value = reuse * cost / bytes * exp(-(now - last_access) / tau)
+
+- reuse: how often the block was requested, remembered across evictions
+  (``AccessHistory``), plus its cached children: every session branching
+  from a block is one more way it gets reused;
+- cost: recomputing a block at depth d costs its dense FLOPs plus attention
+  to the d blocks before it, ``1 + (d + 1/2) * num_tokens / attn_equiv_tokens``
+  in units of one block's dense compute;
+- the exponential is the decay of reuse with idle time.
+
+The priority is ``log(value)`` without its ``-now / tau`` term, which is the
+same for every block: eviction order is unchanged as time passes, so a
+cache may compute a block's priority once per access (lazy heap). Leaves go
+before parents and pins are honoured by the cache (``PolicyCache``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shared.cache_policy.base import BlockInfo
+from shared.cache_policy.history import DEFAULT_HISTORY_ENTRIES, AccessHistory
+
+
+@dataclass(slots=True, frozen=True)
+class CostParams:
+    """The policy's three knobs, each a physical quantity rather than a fitted weight."""
+
+    # e-folding time of a block's value when nobody asks for it: the pause
+    # after which an agent context is more likely abandoned than resumed.
+    tau_s: float = 10.0
+    # context length at which attention FLOPs per token equal the dense ones,
+    # ~ 2 * params / (4 * layers * hidden): ~25k tokens for Llama-7B-class models.
+    attn_equiv_tokens: int = 25_000
+    history_entries: int = DEFAULT_HISTORY_ENTRIES
+
+
+class CostPolicy:
+    name = "cost"
+
+    def __init__(self, params: CostParams | None = None) -> None:
+        self.params = params or CostParams()
+        self.history = AccessHistory(self.params.history_entries)
+
+    def on_access(self, block_hash: bytes, now: float) -> None:
+        self.history.record(block_hash)
+
+    def reuse(self, info: BlockInfo) -> float:
+        """Expected-reuse weight: remembered requests (at least those seen while cached) + branches."""
+        return max(self.history.count(info.block_hash), info.access_count) + info.num_children
+
+    def recompute_cost(self, info: BlockInfo) -> float:
+        return 1.0 + (info.depth + 0.5) * info.num_tokens / self.params.attn_equiv_tokens
+
+    def priority(self, info: BlockInfo, now: float) -> float:
+        value = self.reuse(info) * self.recompute_cost(info) / max(info.size_bytes, 1)
+        return math.log(value) + info.last_access / self.params.tau_s
+
+    def admit(self, info: BlockInfo, now: float) -> bool:
+        return True

@@ -1,0 +1,1 @@
+"""Trace replay for eviction policies: no model, no bus (see ``kvmesh sim``)."""

@@ -1,0 +1,90 @@
+"""Run several policies (and the two references) over one trace at one or many capacities.
+
+Names: the online policies of ``shared.cache_policy.registry`` (``cost`` is
+reported as ``default``), plus ``belady`` (offline farthest-next-use bound)
+and ``infinite`` (a cache that never evicts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from shared.cache_policy.registry import DEFAULT_POLICY, POLICIES, get_policy
+from shared.sim.belady import BeladyPolicy
+from shared.sim.replay import Progress, infinite_hit_rate, replay
+from shared.sim.trace import Trace
+
+REFERENCES = ("belady", "infinite")
+
+
+def report_name(name: str) -> str:
+    """The key a policy's result is reported under (the default policy as ``default``)."""
+    return "default" if name == DEFAULT_POLICY else name
+
+
+def all_names() -> list[str]:
+    return ["default", *(p for p in POLICIES if p != DEFAULT_POLICY), *REFERENCES]
+
+
+def resolve_names(names: Sequence[str] | None) -> list[str]:
+    """Report names in a stable order; unknown names raise ``ValueError``."""
+    if not names:
+        return all_names()
+    wanted = {report_name(n) for n in names}
+    unknown = wanted - set(all_names())
+    if unknown:
+        raise ValueError(f"unknown policy {sorted(unknown)}; known: {', '.join(all_names())}")
+    return [n for n in all_names() if n in wanted]
+
+
+def capacity_for(trace: Trace, fraction: float) -> int:
+    """A capacity as a fraction of the trace's unique blocks (at least one block)."""
+    if not 0 < fraction:
+        raise ValueError(f"capacity fraction must be > 0, got {fraction}")
+    return max(1, round(fraction * trace.unique_blocks))
+
+
+def hit_rate(trace: Trace, name: str, capacity: int, progress: Progress | None = None) -> float:
+    """Prefix-hit blocks / input blocks of one named policy at one capacity."""
+    if name == "infinite":
+        if progress is not None:
+            progress(len(trace.requests))
+        return infinite_hit_rate(trace).hit_rate
+    if name == "belady":
+        oracle = BeladyPolicy(trace)
+        return replay(trace, oracle, capacity, progress, on_request=oracle.at_request).hit_rate
+    policy = get_policy(DEFAULT_POLICY if name == "default" else name)
+    return replay(trace, policy, capacity, progress).hit_rate
+
+
+def run_all(
+    trace: Trace,
+    names: Sequence[str],
+    capacity: int,
+    progress: Progress | None = None,
+) -> dict[str, float]:
+    return {name: hit_rate(trace, name, capacity, progress) for name in names}
+
+
+def sweep(
+    trace: Trace,
+    names: Sequence[str],
+    fractions: Sequence[float],
+    progress: Progress | None = None,
+    on_point: Callable[[str, float], None] | None = None,
+) -> dict[str, list[float]]:
+    """Hit rate per name for each capacity fraction (for the hit-rate-vs-capacity plot)."""
+    curves: dict[str, list[float]] = {name: [] for name in names}
+    for fraction in fractions:
+        capacity = capacity_for(trace, fraction)
+        for name in names:
+            curves[name].append(hit_rate(trace, name, capacity, progress))
+            if on_point is not None:
+                on_point(name, fraction)
+    return curves
+
+
+def default_fractions(points: int = 8, low: float = 0.01, high: float = 0.5) -> list[float]:
+    """Geometric capacity fractions from ``low`` to ``high`` (a log-x sweep)."""
+    ratio = (high / low) ** (1 / (points - 1))
+    return [low * ratio**i for i in range(points)]

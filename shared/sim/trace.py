@@ -1,0 +1,65 @@
+"""Hash-id request traces (Mooncake format) and their block keys.
+
+One JSON object per line: ``timestamp`` (ms), ``input_length``,
+``output_length`` and ``hash_ids``, the chained ids of the request's
+512-token input blocks (equal leading ids = shared prefix).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    """One request of a trace: its arrival time (s) and its block chain as cache keys."""
+
+    time_s: float
+    input_length: int
+    output_length: int
+    blocks: tuple[bytes, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Trace:
+    name: str
+    requests: tuple[TraceRequest, ...]
+
+    @property
+    def input_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.requests)
+
+    @property
+    def unique_blocks(self) -> int:
+        return len({b for r in self.requests for b in r.blocks})
+
+
+def block_key(hash_id: int) -> bytes:
+    """A trace's integer hash id as the cache's bytes key (fixed width, deterministic)."""
+    return hash_id.to_bytes(8, "big", signed=False)
+
+
+def parse_line(line: str) -> TraceRequest:
+    obj = json.loads(line)
+    return TraceRequest(
+        time_s=float(obj["timestamp"]) / 1000.0,
+        input_length=int(obj["input_length"]),
+        output_length=int(obj.get("output_length", 0)),
+        blocks=tuple(block_key(int(h)) for h in obj["hash_ids"]),
+    )
+
+
+def load_trace(path: Path, limit: int | None = None) -> Trace:
+    """Read a JSONL trace (blank lines skipped); ``limit`` keeps the first N requests."""
+    requests: list[TraceRequest] = []
+    with path.open() as f:
+        for line in f:
+            if limit is not None and len(requests) >= limit:
+                break
+            if line.strip():
+                requests.append(parse_line(line))
+    return Trace(name=path.name, requests=tuple(requests))
