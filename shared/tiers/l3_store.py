@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import urllib3
 from minio import Minio
-from minio.error import S3Error
+from minio.error import MinioException, S3Error
 
 from shared.tiers.block_format import StoredBlock, checksum_of, decode_block
 from shared.tiers.chunk_format import decode_toc, encode_chunk, toc_size
@@ -31,7 +31,7 @@ from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 _ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 # Failures that mean "S3 is not answering properly" (they count against the breaker).
-_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, S3Error)
+_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, MinioException)
 
 
 class L3Unavailable(RuntimeError):

@@ -27,6 +27,7 @@ class UploadStats:
     dropped: int = 0
     dropped_bytes: int = 0
     retries: int = 0
+    failed: int = 0  # rejected for a reason retrying cannot fix (a bug, bad input): dropped
 
 
 @dataclass(slots=True)
@@ -95,17 +96,25 @@ class UploadQueue:
                 await self._wake.wait()
                 continue
             item = self._items[0]
-            backoff = self.backoff_initial_s
-            while True:
-                try:
-                    handles = await asyncio.to_thread(self.store.put_chain, item.namespace, item.chain)
-                    break
-                except L3Unavailable:
-                    self.stats.retries += 1
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.backoff_max_s)
+            handles = await self._upload(item)
             self._items.popleft()
             self.queued_bytes -= item.nbytes
+            if handles is None:
+                continue
             self.stats.uploaded += 1
             if self.on_uploaded is not None:
                 self.on_uploaded(handles)
+
+    async def _upload(self, item: _Item) -> list[BlockHandle] | None:
+        """Retry until S3 takes the chain; None if the chain itself is bad (counted as failed)."""
+        backoff = self.backoff_initial_s
+        while True:
+            try:
+                return await asyncio.to_thread(self.store.put_chain, item.namespace, item.chain)
+            except L3Unavailable:
+                self.stats.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+            except Exception:  # noqa: BLE001 - one bad chain must not stop the uploader
+                self.stats.failed += 1
+                return None

@@ -1,0 +1,96 @@
+"""L3 outages: the breaker fails fast and recovers by itself; queued uploads land after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from shared.tiers.block_format import encode_kv_block
+from shared.tiers.circuit_breaker import BreakerState, CircuitBreaker
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import Miss, MissReason
+from shared.tiers.s3_client import fast_fail_client
+from shared.tiers.upload_queue import UploadQueue
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_breaker_opens_fails_fast_and_half_opens_one_probe() -> None:
+    clock = _Clock()
+    br = CircuitBreaker(failure_threshold=2, reset_after_s=5.0, clock=clock)
+    br.record_failure()
+    assert br.allow() and br.state is BreakerState.CLOSED
+    br.record_failure()
+    assert br.state is BreakerState.OPEN and not br.allow() and br.opens == 1
+    clock.t += 5.0
+    assert br.allow()  # the probe
+    assert not br.allow()  # only one at a time
+    br.record_failure()  # probe failed: open again for another reset period
+    assert br.state is BreakerState.OPEN and not br.allow()
+    clock.t += 5.0
+    assert br.allow()
+    br.record_success()
+    assert br.state is BreakerState.CLOSED and br.allow()
+
+
+async def _until(cond, deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+async def test_upload_queue_drops_with_count_when_full(s3_server, make_chain, fp) -> None:
+    client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    store = L3Store(client, "kvmesh-queue-full", fp, chunk_blocks=4)
+    chain = [encode_kv_block(b, fp) for b in make_chain(4)]
+    queue = UploadQueue(store, max_bytes=sum(len(b) for b in chain) + 10)
+    assert queue.submit("ns", chain)
+    assert not queue.submit("ns", chain)  # full: dropped and counted, never blocks the caller
+    assert (queue.stats.dropped, queue.queued_bytes) == (1, sum(len(b) for b in chain))
+
+
+async def test_s3_stop_mid_upload_opens_breaker_and_uploads_resume(fresh_s3_server, make_chain, fp) -> None:
+    server = fresh_s3_server
+    client = fast_fail_client(server.endpoint, server.access_key, server.secret_key, connect_timeout_s=0.5)
+    breaker = CircuitBreaker(failure_threshold=2, reset_after_s=0.3)
+    store = L3Store(client, "kvmesh-outage", fp, chunk_blocks=4, breaker=breaker)
+    store.ensure_bucket()
+    chains = [make_chain(4, seed=s) for s in range(24)]
+    landed: list = []
+    queue = UploadQueue(store, max_bytes=1 << 30, backoff_initial_s=0.05, backoff_max_s=0.3,
+                        on_uploaded=landed.extend)
+    for chain in chains[:16]:
+        queue.submit("ns", [encode_kv_block(b, fp) for b in chain])
+    queue.start()
+    try:
+        assert await _until(lambda: queue.stats.uploaded >= 2, 30)
+        await asyncio.to_thread(server.stop)  # mid-upload: the queue still holds chains
+        assert await _until(lambda: breaker.opens >= 1, 30)
+        assert queue.queued_bytes > 0
+        t0 = time.monotonic()
+        miss = store.get_block(landed[0])
+        assert isinstance(miss, Miss) and miss.reason in (MissReason.TIER_DOWN, MissReason.UNAVAILABLE)
+        assert time.monotonic() - t0 < 1.0  # fails fast: the caller recomputes
+        for chain in chains[16:]:  # submitting during the outage neither blocks nor crashes
+            assert queue.submit("ns", [encode_kv_block(b, fp) for b in chain])
+        await asyncio.to_thread(server.start)  # same port, same data dir
+        assert await queue.join(timeout_s=60)
+        assert breaker.state is BreakerState.CLOSED
+    finally:
+        await queue.close()
+    assert queue.stats.uploaded == 24 and queue.stats.retries > 0
+    objects = list(client.list_objects(store.bucket, prefix=f"{fp}/ns/", recursive=True))
+    assert len(objects) == 24
+    for obj in objects:  # nothing partial reads as valid: every object verifies completely
+        assert not isinstance(store.get_chunk(obj.object_name), Miss)
+    for chain in chains:
+        assert len(store.load_prefix("ns", [b.block_hash for b in chain])) == 4
