@@ -71,6 +71,8 @@ class PrefixCache:
         self._by_hash: dict[BlockHash, int] = {}
         self._info: dict[int, BlockInfo] = {}  # block_id -> stats, for cached blocks
         self._evictable = make_evictable(self.policy)
+        # Policies that keep history across evictions (TinyLFU ...) see every queried block.
+        self._observe: Callable[[bytes, float], None] | None = getattr(self.policy, "on_access", None)
 
     # --- lookup -------------------------------------------------------
 
@@ -97,6 +99,9 @@ class PrefixCache:
         self.stats.query_tokens += len(token_ids)
         self.stats.hit_tokens += len(found) * self.block_size
         now = self._clock()
+        if self._observe is not None:
+            for h in hashes:
+                self._observe(h, now)
         for block in found:
             self._take(block, now)
         return found
