@@ -1,9 +1,11 @@
 """Every Triton kernel against the torch path and the dense reference, on CPU.
 
-The kernels run in the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
-before ``triton.jit`` decorates them, i.e. before kernels.triton.* is first
-imported (the public ops import it lazily on their first Triton call), so it
-is set here at import time. Shapes stay small: the interpreter is slow.
+The kernels run in the Triton interpreter. ``TRITON_INTERPRET=1`` must be set
+before triton.language is first imported (its own helpers such as tl.zeros
+are decorated then), and torch imports triton early (torch.nn.attention.bias
+does), so test_triton_kernels.py runs this module in a fresh interpreter with
+the variable set; run alone it sets the variable itself. Shapes stay small:
+the interpreter is slow.
 """
 
 from __future__ import annotations
