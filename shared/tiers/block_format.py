@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from shared.engine.kv_block import KVBlock
-from shared.tiers.miss import BlockMiss, MissReason
+from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 MAGIC = b"KVMB"
 FORMAT_VERSION = 1
@@ -176,6 +176,14 @@ def decode_block(buf, fingerprint: str | None, block_hash: bytes | None = None) 
     else:
         data = torch.frombuffer(mv, dtype=dtype, count=count, offset=offset)
     return StoredBlock(header, data.view(header.shape))
+
+
+def decode_or_miss(buf, fingerprint: str, block_hash: bytes, tier: Tier, counters: MissCounters) -> StoredBlock | Miss:
+    """`decode_block` for a tier's read path: a failed check becomes a counted miss."""
+    try:
+        return decode_block(buf, fingerprint, block_hash)
+    except BlockMiss as miss:
+        return counters.record(Miss(tier, miss.reason, miss.detail))
 
 
 def _payload_offset(fp_len: int, block_size: int) -> int:

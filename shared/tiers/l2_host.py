@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from shared.cache_policy.base import BlockInfo, EvictionPolicy
 from shared.engine.kv_block import KVBlock
 from shared.tiers.arena import Arena, HeapArena
-from shared.tiers.block_format import StoredBlock, checksum_of, decode_block, decode_header, encode_kv_block
+from shared.tiers.block_format import StoredBlock, checksum_of, decode_header, decode_or_miss, encode_kv_block
 from shared.tiers.handle import BlockHandle
-from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
+from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
 
 
 @dataclass(slots=True)
@@ -96,11 +96,10 @@ class HostTier:
         buf = self.get_encoded(block_hash)
         if isinstance(buf, Miss):
             return buf
-        try:
-            return decode_block(buf, self.fingerprint, block_hash)
-        except BlockMiss as miss:  # corrupted in memory: drop it, never serve it
+        got = decode_or_miss(buf, self.fingerprint, block_hash, Tier.L2, self.counters)
+        if isinstance(got, Miss):  # corrupted in memory: drop it, never serve it again
             self.remove(block_hash)
-            return self.counters.record(Miss(Tier.L2, miss.reason, miss.detail))
+        return got
 
     def handle(self, block_hash: bytes) -> BlockHandle | None:
         info = self._info.get(block_hash)

@@ -23,7 +23,7 @@ import urllib3
 from minio import Minio
 from minio.error import MinioException, S3Error
 
-from shared.tiers.block_format import StoredBlock, checksum_of, decode_block
+from shared.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
 from shared.tiers.chunk_format import decode_toc, encode_chunk, toc_size
 from shared.tiers.circuit_breaker import CircuitBreaker
 from shared.tiers.handle import BlockHandle
@@ -185,10 +185,7 @@ class L3Store:
         return data
 
     def _decode(self, buf, block_hash: bytes) -> StoredBlock | Miss:
-        try:
-            return decode_block(buf, self.fingerprint, block_hash)
-        except BlockMiss as miss:
-            return self._miss(miss.reason, miss.detail)
+        return decode_or_miss(buf, self.fingerprint, block_hash, Tier.L3, self.counters)
 
     def _miss(self, reason: MissReason, detail: str = "") -> Miss:
         return self.counters.record(Miss(Tier.L3, reason, detail))
