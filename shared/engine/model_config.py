@@ -117,6 +117,10 @@ def parse_model_config(
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json: missing field {exc.args[0]!r}") from None
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("config.json: use_sliding_window=true is not supported")
     theta, scaling = _rope(raw)
     dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
     eos = _ids(raw.get("eos_token_id")) + list(extra_eos_ids or [])
