@@ -1,0 +1,1 @@
+"""KV format migration: layout, dtype and block-size conversion; safetensors export/import."""
