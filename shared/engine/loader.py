@@ -1,8 +1,9 @@
 """`load_model`: an HF-format checkpoint dir -> a ready `PagedCausalLM`.
 
-Reads config.json (+ generation_config.json, tokenizer_config.json for
-eos/bos ids), the tokenizer, and the safetensors weights (checked against
-the model's parameter names and shapes). The fingerprint is
+Reads config.json, generation_config.json and tokenizer_config.json
+(eos_token_ids is the union of their eos ids, in that order), the
+tokenizer, and the safetensors weights (checked against the model's
+parameter names and shapes). The fingerprint is
 sha256(canonical config JSON + effective dtype + weight digest): equal for
 the same dir in any process, different for any other weights or dtype,
 which is what block hashes key on.
@@ -19,7 +20,7 @@ import torch
 
 from shared.engine.checkpoint import read_json, read_weights
 from shared.engine.model import PagedCausalLM
-from shared.engine.model_config import ModelConfig, parse_model_config
+from shared.engine.model_config import ModelConfig, parse_model_config, token_ids
 from shared.engine.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -33,12 +34,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str
     path: Path
-
-
-def _ids(value: object) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]  # type: ignore[union-attr]
 
 
 def fingerprint(raw_config: dict, dtype_name: str, weight_digest: str) -> str:
@@ -58,7 +53,7 @@ def load_model(model_dir: Path, dtype: str | None = None, device: str = "cpu") -
     cfg = parse_model_config(
         raw,
         dtype=dtype,
-        extra_eos_ids=_ids(generation.get("eos_token_id")) + list(tokenizer.eos_token_ids),
+        extra_eos_ids=token_ids(generation.get("eos_token_id")) + list(tokenizer.eos_token_ids),
         bos_token_id=bos,
     )
     # Build on meta (no throwaway init), then adopt the checkpoint tensors.

@@ -88,7 +88,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, batch, kv_layer, cos, sin) -> torch.Tensor:  # noqa: ANN001
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_layer: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_layer, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 

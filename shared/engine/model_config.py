@@ -47,8 +47,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
@@ -65,7 +64,8 @@ def resolve_dtype(name: str | torch.dtype, field: str = "dtype") -> torch.dtype:
     return DTYPES[key]
 
 
-def _ids(value: Any) -> list[int]:
+def token_ids(value: Any) -> list[int]:
+    """An HF eos/bos field (None, an int or a list of ints) as a list."""
     if value is None:
         return []
     if isinstance(value, int):
@@ -123,7 +123,7 @@ def parse_model_config(
         raise CheckpointError("config.json: use_sliding_window=true is not supported")
     theta, scaling = _rope(raw)
     dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    eos = _ids(raw.get("eos_token_id")) + list(extra_eos_ids or [])
+    eos = token_ids(raw.get("eos_token_id")) + list(extra_eos_ids or [])
     bos = raw.get("bos_token_id", bos_token_id)
     return ModelConfig(
         architecture=arch,
