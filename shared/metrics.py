@@ -37,6 +37,7 @@ class ServiceMetrics:
     messages_failed: Counter
     messages_redelivered: Counter
     messages_dead_lettered: Counter
+    messages_in_flight: Gauge
     handler_seconds: Histogram
     publish_retries: Counter
     requests_failed: Counter
@@ -58,6 +59,9 @@ class ServiceMetrics:
             messages_redelivered=counter("kvmesh_messages_redelivered", "Deliveries with a delivery count above 1."),
             messages_dead_lettered=counter(
                 "kvmesh_messages_dead_lettered", "Messages terminated and copied to a dead-letter subject."
+            ),
+            messages_in_flight=Gauge(
+                "kvmesh_messages_in_flight", "Messages whose handler is running now.", ("subject",), registry=reg
             ),
             handler_seconds=Histogram(
                 "kvmesh_handler_seconds", "Handler wall time per message.", ("subject",),

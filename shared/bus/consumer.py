@@ -76,6 +76,11 @@ class ConsumerLoop:
     _inflight: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     @property
+    def in_flight(self) -> int:
+        """Messages taken from the stream and not yet settled (a natural `load` for a heartbeat)."""
+        return len(self._inflight)
+
+    @property
     def ready(self) -> bool:
         """True once the consumer is declared and bound, until it stops."""
         return self._ready.is_set() and not self._stopping.is_set()
@@ -147,6 +152,8 @@ class ConsumerLoop:
             await self._dead_letter(msg, f"no verdict after {deliveries - 1} deliveries (handler died or hung)")
             return
         keepalive = asyncio.create_task(self._keep_alive(msg))
+        in_flight = self.metrics.messages_in_flight.labels(label)
+        in_flight.inc()
         start = time.perf_counter()
         try:
             await self.handler(msg)
@@ -169,6 +176,7 @@ class ConsumerLoop:
             self.metrics.messages_handled.labels(label).inc()
         finally:
             keepalive.cancel()
+            in_flight.dec()
             self.metrics.handler_seconds.labels(label).observe(time.perf_counter() - start)
 
     async def _ack(self, msg: Msg) -> None:

@@ -1,0 +1,88 @@
+"""A worker's heartbeat: its `Heartbeat` written into the `workers` KV bucket every interval.
+
+Each write carries a per-message TTL (`Nats-TTL`, nats-server 2.11+): if the
+process stops writing (crash, partition), the entry expires `ttl_s` after the
+last write and the server leaves a delete marker that watchers see as the
+worker going down. A graceful stop deletes the key at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.js import JetStreamContext
+
+from shared.log import get_logger
+from shared.metrics import ServiceMetrics
+from shared.protocol import subjects
+from shared.protocol.messages import Heartbeat, Role
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class HeartbeatLoop:
+    """Writes this worker's heartbeat until stopped; `load()` is sampled at every beat."""
+
+    js: JetStreamContext
+    worker_id: str
+    role: Role
+    http_endpoint: str
+    interval_s: float
+    ttl_s: float
+    metrics: ServiceMetrics
+    load: Callable[[], float] = lambda: 0.0
+    capacity: float = 1.0
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    seq: int = 0
+    _last_ok: float = field(default_factory=time.monotonic, init=False)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def __post_init__(self) -> None:
+        subjects.token(self.worker_id)
+        # Nats-TTL has whole-second resolution; the entry must outlive at least one missed beat.
+        if self.ttl_s < 1 or self.ttl_s <= self.interval_s:
+            raise ValueError(f"heartbeat ttl {self.ttl_s}s must be >= 1s and longer than the interval {self.interval_s}s")
+        self.metrics.heartbeat_age_seconds.set_function(lambda: time.monotonic() - self._last_ok)
+
+    def current(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id, role=self.role, load=float(self.load()), capacity=float(self.capacity),
+            started_at=self.started_at, http_endpoint=self.http_endpoint, seq=self.seq,
+        )
+
+    async def beat(self) -> None:
+        """One write; raises on failure (the loop logs and tries again next interval)."""
+        self.seq += 1
+        hb = self.current()
+        await self.js.publish(
+            subjects.heartbeat_key(self.worker_id), hb.to_bytes(), timeout=max(0.5, self.interval_s),
+            headers={subjects.HDR_MSG_ID: f"hb-{self.worker_id}-{self.started_at.timestamp():.6f}-{self.seq}"},
+            msg_ttl=self.ttl_s,
+        )
+        self._last_ok = time.monotonic()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.beat()
+            except Exception as exc:  # noqa: BLE001 - a missed beat is survivable; the TTL decides
+                log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=self.interval_s)
+            except TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        """Stop writing; the entry then expires after the TTL (what a crash looks like to watchers)."""
+        self._stop.set()
+
+    async def withdraw(self) -> None:
+        """Graceful exit: delete the entry now so watchers need not wait for the TTL."""
+        self.stop()
+        kv = await self.js.key_value(subjects.WORKERS_BUCKET)
+        await kv.delete(self.worker_id)

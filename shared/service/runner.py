@@ -1,0 +1,216 @@
+"""The service runner: the thin shell every kvmesh service process runs in.
+
+A service is a `setup(ctx)` coroutine that registers its consumers, request
+endpoints, readiness check and load gauge on a `ServiceContext`; its business
+logic lives in `shared/`. `services/<name>/__main__.py` is then one line:
+
+    raise SystemExit(run_service("prefill", Role.PREFILL, setup))
+
+Contract with the stack launcher (`kvmesh up`):
+- started as `python -m services.<name>`; all settings come from KVMESH_*
+  env vars (`shared.config.Settings`), in particular `KVMESH_NATS_URL`,
+  `KVMESH_SERVICE__HTTP_PORT` (0 = any free port) and
+  `KVMESH_SERVICE__WORKER_ID` (default `<name>-<pid>`); `KVMESH_LOG_LEVEL`.
+- the launcher runs `shared.protocol.streams.declare_all` before starting
+  services; the runner does not declare shared streams, only its own
+  per-worker consumers.
+- `GET http://<http_host>:<port>/readyz` answers 200 once NATS is connected,
+  every consumer is bound and the service's own check passes (503 with the
+  failing checks before that and while draining); `/healthz` 200 while the
+  process lives; `/metrics` Prometheus text (kvmesh_* names).
+- logs are JSON lines on stderr, one startup line `service ready` carries
+  `http_endpoint` and `worker_id`.
+- SIGTERM or SIGINT: readiness goes false, consumers stop fetching,
+  in-flight handlers finish (up to `service.drain_timeout_s`), request
+  endpoints drain, the heartbeat entry is withdrawn, the NATS connection is
+  drained, and the process exits 0. A failure during startup exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from shared.bus.connection import connect
+from shared.bus.consumer import ConsumerLoop, Handler
+from shared.bus.publish import Publisher
+from shared.bus.request import serve
+from shared.config import Settings, load_settings
+from shared.log import configure_logging, get_logger
+from shared.metrics import ServiceMetrics
+from shared.protocol.base import Message
+from shared.protocol.messages import Role
+from shared.protocol.streams import ConsumerSpec
+from shared.service.heartbeat import HeartbeatLoop
+from shared.service.http import SideServer
+
+log = get_logger(__name__)
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass(slots=True)
+class ServiceContext:
+    """What `setup` gets: the connection, identity, settings, and the registration calls."""
+
+    name: str
+    role: Role
+    worker_id: str
+    settings: Settings
+    nc: NATS
+    js: JetStreamContext
+    publisher: Publisher
+    metrics: ServiceMetrics
+    consumers: list[ConsumerLoop] = field(default_factory=list)
+    endpoints: list[tuple[str, type[Message], Callable[[Message], Awaitable[Message]], str]] = field(
+        default_factory=list
+    )
+    ready_check: Callable[[], bool] = lambda: True
+    load: Callable[[], float] = lambda: 0.0
+    capacity: float = 1.0
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def add_consumer(self, spec: ConsumerSpec, handler: Handler) -> ConsumerLoop:
+        loop = ConsumerLoop(self.js, spec, handler, self.publisher, self.metrics, self.settings.bus,
+                            self.settings.service.drain_timeout_s)
+        self.consumers.append(loop)
+        return loop
+
+    def add_endpoint(self, subject: str, request_model: type[Message],
+                     handler: Callable[[Message], Awaitable[Message]], queue: str | None = None) -> None:
+        """A request/reply endpoint, load-shared across replicas through queue group `queue` (default: name)."""
+        self.endpoints.append((subject, request_model, handler, queue or self.name))
+
+
+Setup = Callable[[ServiceContext], Awaitable[None]]
+
+
+class ServiceRunner:
+    """Runs one service until a signal (or `stop()`); see the module docstring for the contract."""
+
+    def __init__(self, name: str, role: Role, setup: Setup, settings: Settings | None = None) -> None:
+        self.name, self.role, self._setup = name, role, setup
+        self.settings = settings or load_settings()
+        self.worker_id = self.settings.service.worker_id or f"{name}-{os.getpid()}"
+        self.metrics = ServiceMetrics.create(name)
+        self.ctx: ServiceContext | None = None
+        self.http_endpoint = ""
+        self._stop = asyncio.Event()
+        self._draining = False
+        self._started = asyncio.Event()
+
+    def stop(self) -> None:
+        """Begin the graceful drain (what SIGTERM does)."""
+        self._stop.set()
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    def readiness(self) -> dict[str, bool]:
+        ctx = self.ctx
+        return {
+            "nats_connected": bool(ctx and ctx.nc.is_connected),
+            "consumers_bound": bool(ctx and all(c.ready for c in ctx.consumers)),
+            "service": bool(ctx and _safe(ctx.ready_check)),
+            "not_draining": not self._draining,
+        }
+
+    async def run(self) -> int:
+        """Serve until stopped; returns the exit code (0 after a clean drain)."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (RuntimeError, ValueError):  # not the main thread (in-process tests): stop() only
+                pass
+        http = SideServer(s.service.http_host, s.service.http_port, self.readiness, self.metrics)
+        nc: NATS | None = None
+        tasks: list[asyncio.Task[None]] = []
+        heartbeat: HeartbeatLoop | None = None
+        subs: list[Subscription] = []
+        try:
+            self.http_endpoint = await http.start()
+            nc = await connect(s.nats_url or DEFAULT_NATS_URL, f"{self.name}:{self.worker_id}", s.bus)
+            js = nc.jetstream()
+            self.ctx = ctx = ServiceContext(self.name, self.role, self.worker_id, s, nc, js,
+                                            Publisher(js, s.bus, self.metrics), self.metrics)
+            await self._setup(ctx)
+            for subject, model, handler, queue in ctx.endpoints:
+                subs.append(await serve(nc, subject, model, handler, queue))
+            tasks += [asyncio.create_task(c.run()) for c in ctx.consumers]
+            await asyncio.gather(*(_bound(c, t) for c, t in zip(ctx.consumers, tasks, strict=True)))
+            heartbeat = HeartbeatLoop(js, self.worker_id, self.role, self.http_endpoint,
+                                      s.service.heartbeat_interval_s, s.service.heartbeat_ttl_s, self.metrics,
+                                      load=ctx.load, capacity=ctx.capacity)
+            tasks.append(asyncio.create_task(heartbeat.run()))
+            log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id)
+            self._started.set()
+            await self._stop.wait()
+            log.info("draining", worker_id=self.worker_id)
+            return await self._drain(nc, subs, tasks, heartbeat)
+        except Exception:
+            log.exception("service failed", worker_id=self.worker_id)
+            return 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            if nc is not None and not nc.is_closed:
+                await nc.close()
+            await http.stop()
+            self._started.set()  # never leave a waiter hanging on a failed start
+
+    async def _drain(self, nc: NATS, subs: list[Subscription], tasks: list[asyncio.Task[None]],
+                     heartbeat: HeartbeatLoop) -> int:
+        self._draining = True  # /readyz -> 503 first, so routers stop sending here
+        ctx = self.ctx
+        assert ctx is not None
+        for c in ctx.consumers:
+            c.stop()
+        consumer_tasks = tasks[: len(ctx.consumers)]
+        await asyncio.gather(*consumer_tasks, return_exceptions=True)  # each bounded by drain_timeout_s
+        for sub in subs:
+            await sub.drain()
+        for hook in ctx.on_stop:
+            await hook()
+        try:
+            await heartbeat.withdraw()
+        except Exception as exc:  # noqa: BLE001 - the TTL removes it anyway
+            log.warning("heartbeat withdraw failed", error=repr(exc))
+        await nc.drain()
+        log.info("drained", worker_id=self.worker_id)
+        return 0
+
+
+def run_service(name: str, role: Role, setup: Setup, settings: Settings | None = None) -> int:
+    """Process entry point: configure logging, run the service, return the exit code."""
+    settings = settings or load_settings()
+    worker_id = settings.service.worker_id or f"{name}-{os.getpid()}"
+    settings.service.worker_id = worker_id
+    configure_logging(settings.log_level, service=name, worker_id=worker_id)
+    return asyncio.run(ServiceRunner(name, role, setup, settings).run())
+
+
+def _safe(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception as exc:  # noqa: BLE001 - a crashing check means "not ready", not a 500
+        log.warning("readiness check raised", error=repr(exc))
+        return False
+
+
+async def _bound(consumer: ConsumerLoop, task: asyncio.Task[None]) -> None:
+    """Wait until `consumer` is bound; raise its error if it dies first (startup then fails fast)."""
+    ready = asyncio.ensure_future(consumer.wait_ready())
+    await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        task.result()
+        raise RuntimeError(f"consumer {consumer.spec.durable} exited before it was ready")

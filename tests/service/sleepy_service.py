@@ -1,0 +1,31 @@
+"""A trivial service for the runner tests: a job is a number of seconds to work, then a 'done' event.
+
+Run as a script (`python tests/service/sleepy_service.py`) with KVMESH_* env vars, like `kvmesh up`
+runs `python -m services.<name>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.msg import Msg
+
+from shared.protocol import subjects
+from shared.protocol.messages import Role
+from shared.protocol.streams import JOBS, ConsumerSpec
+from shared.service.runner import ServiceContext, run_service
+
+
+async def setup(ctx: ServiceContext) -> None:
+    spec = ConsumerSpec(JOBS.name, f"prefill-{ctx.worker_id}", subjects.jobs_prefill(ctx.worker_id), ack_wait_s=2.0)
+
+    async def work(msg: Msg) -> None:
+        await asyncio.sleep(float(msg.data))
+        seq = msg.metadata.sequence.stream
+        await ctx.publisher.publish(subjects.kv_events(ctx.worker_id), b"done:" + msg.data, msg_id=f"done-{seq}")
+
+    ctx.add_consumer(spec, work)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_service("sleepy", Role.TEST, setup))

@@ -1,0 +1,76 @@
+"""Heartbeats in the `workers` bucket and the up/down watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from bus.helpers import connected, unique
+
+from shared.metrics import ServiceMetrics
+from shared.protocol.messages import Role
+from shared.service.heartbeat import HeartbeatLoop
+from shared.service.watch import Change, WorkerChange, watch_workers
+
+
+async def _next_for(changes: AsyncIterator[WorkerChange], worker_id: str, timeout_s: float) -> WorkerChange:
+    """The next change of `worker_id` (the session server also holds other tests' workers)."""
+
+    async def find() -> WorkerChange:
+        async for change in changes:
+            if change.worker_id == worker_id:
+                return change
+        raise AssertionError("watcher ended")
+
+    return await asyncio.wait_for(find(), timeout_s)
+
+
+def _beater(js, worker_id: str, load: float = 0.0) -> HeartbeatLoop:
+    return HeartbeatLoop(js, worker_id, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=2.0,
+                         metrics=ServiceMetrics.create("test"), load=lambda: load, capacity=8)
+
+
+async def test_stopped_heartbeat_expires_and_watcher_sees_it(nats_server):
+    worker = unique("w")
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = watch_workers(js)
+        beater = _beater(js, worker, load=3)
+        task = asyncio.create_task(beater.run())
+        up = await _next_for(changes, worker, 5)
+        assert up.change is Change.UP and up.heartbeat.load == 3 and up.heartbeat.capacity == 8
+        await asyncio.wait_for(_until_seq(beater, 3), 5)  # keeps beating; no repeated UP for the same worker
+        beater.stop()  # what a crash looks like: no more writes, no delete
+        await task
+        stopped_at = time.monotonic()
+        down = await _next_for(changes, worker, 8)
+        waited = time.monotonic() - stopped_at
+        assert down.change is Change.DOWN and down.heartbeat.seq >= 3
+        assert 1.0 < waited < 6.0  # expired by its 2 s TTL, not removed early
+        await changes.aclose()
+
+
+async def test_graceful_withdraw_and_restart_are_seen(nats_server):
+    worker = unique("w")
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = watch_workers(js)
+        first = _beater(js, worker)
+        await first.beat()
+        assert (await _next_for(changes, worker, 5)).change is Change.UP
+        second = _beater(js, worker)  # same id, new process: new started_at
+        await second.beat()
+        restart = [await _next_for(changes, worker, 5), await _next_for(changes, worker, 5)]
+        assert [c.change for c in restart] == [Change.DOWN, Change.UP]
+        assert restart[1].heartbeat.started_at == second.started_at
+        t0 = time.monotonic()
+        await second.withdraw()
+        assert (await _next_for(changes, worker, 5)).change is Change.DOWN
+        assert time.monotonic() - t0 < 1.5  # deleted, not waiting for the TTL
+        await changes.aclose()
+
+
+async def _until_seq(beater: HeartbeatLoop, seq: int) -> None:
+    while beater.seq < seq:
+        await asyncio.sleep(0.05)
