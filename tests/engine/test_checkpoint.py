@@ -64,21 +64,25 @@ def test_sharded_checkpoint_loads_identically(tiny_model_dir: Path, tmp_path: Pa
     assert load_model(sharded).fingerprint == load_model(tiny_model_dir).fingerprint
 
 
-def test_fingerprint_is_stable_across_processes(tiny_model_dir: Path) -> None:
-    code = "import sys; from shared.engine.loader import load_model; print(load_model(sys.argv[1]).fingerprint)"
+def test_fingerprint_and_preset_bytes_are_stable_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    code = (
+        "import sys; from shared.engine.loader import load_model; from shared.engine.presets import write_preset; "
+        "write_preset(sys.argv[2], 'tiny', 'llama', seed=0); print(load_model(sys.argv[1]).fingerprint)"
+    )
+    again = tmp_path / "again"
     out = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, str(tiny_model_dir), str(again)], capture_output=True, text=True, check=True
     )
     fp = load_model(tiny_model_dir).fingerprint
     assert len(fp) == 64 and int(fp, 16) >= 0
     assert out.stdout.strip() == fp
-
-
-def test_same_seed_same_bytes_other_seed_other_fingerprint(tiny_model_dir: Path, tmp_path: Path) -> None:
-    again = write_preset(tmp_path / "again", "tiny", "llama", seed=0)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+def test_other_seed_other_fingerprint(tiny_model_dir: Path, tmp_path: Path) -> None:
     other = write_preset(tmp_path / "other", "tiny", "llama", seed=1)
+    assert (other / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
     assert load_model(other).fingerprint != load_model(tiny_model_dir).fingerprint
 
 
