@@ -23,3 +23,12 @@ def stack(tmp_path: Path) -> Iterator[StackDir]:
         yield sd
     finally:
         sd.kill_leftovers()
+
+
+@pytest.fixture
+def model_stub(tmp_path: Path) -> Path:
+    """A dir that passes `up --model`'s check; the test service never loads it (the tiny preset costs seconds)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model

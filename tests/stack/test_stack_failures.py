@@ -72,11 +72,8 @@ def test_state_dir_not_writable(stack: StackDir, tmp_path: Path) -> None:
     assert_one_line_failure(out, ExitCode.STATE_DIR, str(blocker / "state"), "not writable")
 
 
-def test_service_exiting_at_start_stops_everything(stack: StackDir, tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")  # only checked for presence here; the test service never loads it
-    args = stack.up_args("--detach", "--model", str(model))
+def test_service_exiting_at_start_stops_everything(stack: StackDir, model_stub: Path) -> None:
+    args = stack.up_args("--detach", "--model", str(model_stub))
     out = stack.cli(*args, STACKTEST_EXIT_AT_START="1")
     assert_one_line_failure(out, ExitCode.START_FAILED, "echo-0", "exited", "echo-0.log")
     assert stack.state() is None and (stack.state_dir / "nats" / "nats.log").exists()  # NATS and S3 had started
