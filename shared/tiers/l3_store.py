@@ -31,7 +31,7 @@ from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 _ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 # Failures that mean "S3 is not answering properly" (they count against the breaker).
-_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, MinioException)
+S3_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, MinioException)
 
 
 class L3Unavailable(RuntimeError):
@@ -94,7 +94,7 @@ class L3Store:
                 self.client.put_object(self.bucket, key, io.BytesIO(body), len(body),
                                        content_type="application/octet-stream", metadata=meta)
                 self.stats.chunks_written += 1
-        except _DOWN_ERRORS as exc:
+        except S3_DOWN_ERRORS as exc:
             self.breaker.record_failure()
             raise L3Unavailable(f"put {key}: {exc}") from exc
         self.breaker.record_success()
@@ -174,7 +174,7 @@ class L3Store:
                 return self._miss(MissReason.NOT_FOUND, key)
             self.breaker.record_failure()
             return self._miss(MissReason.UNAVAILABLE, str(exc))
-        except _DOWN_ERRORS as exc:
+        except S3_DOWN_ERRORS as exc:
             self.breaker.record_failure()
             return self._miss(MissReason.UNAVAILABLE, str(exc))
         finally:
