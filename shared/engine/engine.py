@@ -74,9 +74,11 @@ class Engine:
         tenant_salt: bytes = b"",
         adapter: str = "",
     ) -> None:
-        """Queue a request; ValueError for an empty prompt, one past the context, or a duplicate id."""
+        """Queue a request; ValueError for an empty prompt, ids outside the vocab, one past the context, a duplicate id."""
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.loaded.config.vocab_size:
+            raise ValueError(f"request {request_id!r}: token ids must be in [0, {self.loaded.config.vocab_size})")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
         total = len(prompt_ids) + params.max_tokens

@@ -1,0 +1,176 @@
+"""`kvmesh bench engine`: what prefix reuse buys, decode speed vs HF transformers, KV bytes per token.
+
+(a) TTFT of one long prompt with 0%, 50% and 90% of it already cached, and
+    with the cache off; `prefill_speedup_90pct_hit` = cache-off / 90%-hit.
+(b) Generated tokens/s (greedy, prefill included, same prompt lengths and
+    new tokens) of the engine vs HF `generate` at several batch sizes.
+(c) Bytes per token of the engine's KV pool vs 2 * L * Hkv * D * itemsize.
+Every figure is a median over `repeats` runs after a warm-up; progress goes
+to stderr, the result is one JSON object.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from shared.config import EngineSettings
+from shared.engine.engine import Engine
+from shared.engine.loader import LoadedModel, load_model
+from shared.engine.sampling import SamplingParams
+
+CACHED_FRACTIONS = (0.0, 0.5, 0.9)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBenchConfig:
+    model_dir: Path | None = None  # None: write the `small` preset to a temp dir
+    prompt_tokens: int = 2048
+    decode_prompt_tokens: int = 128
+    decode_tokens: int = 32
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    block_size: int = 16
+    repeats: int = 3
+    seed: int = 0
+
+
+def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(5, vocab) for _ in range(n)]
+
+
+def _median_time(fn: Callable[[int], float], repeats: int) -> float:
+    fn(-1)  # warm-up
+    return statistics.median(fn(i) for i in range(repeats))
+
+
+def _engine(loaded: LoadedModel, cfg: EngineBenchConfig, cache: bool, tokens: int) -> Engine:
+    settings = EngineSettings(
+        block_size=cfg.block_size,
+        num_blocks=tokens // cfg.block_size + 64,
+        max_num_seqs=max(cfg.batch_sizes),
+        max_num_batched_tokens=max(cfg.prompt_tokens, cfg.decode_prompt_tokens * max(cfg.batch_sizes)),
+        enable_prefix_caching=cache,
+    )
+    return Engine(loaded, settings)
+
+
+def bench_ttft(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict:
+    """Seconds to the first token of a prompt whose leading fraction is cached (fresh prompt per run)."""
+    vocab = loaded.config.vocab_size
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    out: dict[str, float] = {}
+    task = progress.add_task("TTFT", total=(len(CACHED_FRACTIONS) + 1) * (cfg.repeats + 1))
+    cases = [("cache_off", 0.0, False)] + [(f"hit_{int(f * 100)}pct", f, True) for f in CACHED_FRACTIONS]
+    for name, frac, cache in cases:
+        engine = _engine(loaded, cfg, cache, 2 * cfg.prompt_tokens)
+
+        def run(i: int) -> float:
+            rng = random.Random(f"{cfg.seed}-{name}-{i}")
+            prompt = _random_prompt(rng, cfg.prompt_tokens, vocab)
+            cached = int(frac * cfg.prompt_tokens)
+            if cached:
+                engine.generate([prompt[:cached] + [rng.randrange(5, vocab)]], one)
+            result = engine.generate([prompt], one)[0]
+            assert result.cached_tokens >= cached // cfg.block_size * cfg.block_size - cfg.block_size
+            progress.advance(task)
+            return result.ttft
+
+        out[name] = _median_time(run, cfg.repeats)
+    return out
+
+
+def _hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> None:
+    ids = torch.tensor(prompts)
+    hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def bench_decode(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict:
+    """Generated tokens/s for the engine and HF transformers at each batch size."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.config.dtype, local_files_only=True).eval()
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True, detokenize=False)
+    task = progress.add_task("decode", total=len(cfg.batch_sizes) * 2 * (cfg.repeats + 1))
+    out: dict[str, dict[str, float]] = {}
+    for b in cfg.batch_sizes:
+        engine = _engine(loaded, cfg, False, b * (cfg.decode_prompt_tokens + cfg.decode_tokens))
+
+        def prompts(i: int) -> list[list[int]]:
+            rng = random.Random(f"{cfg.seed}-decode-{b}-{i}")
+            return [_random_prompt(rng, cfg.decode_prompt_tokens, vocab) for _ in range(b)]
+
+        def run_engine(i: int) -> float:
+            batch = prompts(i)
+            t0 = time.perf_counter()
+            engine.generate(batch, params)
+            progress.advance(task)
+            return time.perf_counter() - t0
+
+        def run_hf(i: int) -> float:
+            batch = prompts(i)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                _hf_generate(hf, batch, cfg.decode_tokens)
+            progress.advance(task)
+            return time.perf_counter() - t0
+
+        tokens = b * cfg.decode_tokens
+        ours = tokens / _median_time(run_engine, cfg.repeats)
+        theirs = tokens / _median_time(run_hf, cfg.repeats)
+        out[f"batch_{b}"] = {"engine_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs}
+    return out
+
+
+def bench_kv_bytes(loaded: LoadedModel, cfg: EngineBenchConfig) -> dict:
+    engine = _engine(loaded, cfg, True, cfg.prompt_tokens)
+    c = loaded.config
+    measured = engine.kv_cache.numel() * engine.kv_cache.element_size() / (
+        engine.settings.num_blocks * engine.settings.block_size
+    )
+    formula = 2 * c.num_layers * c.num_kv_heads * c.head_dim * engine.kv_cache.element_size()
+    return {"measured": measured, "formula": formula, "ratio": measured / formula}
+
+
+def run_engine_bench(cfg: EngineBenchConfig) -> dict:
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+        model_dir = cfg.model_dir
+        if model_dir is None:
+            from shared.engine.presets import write_preset
+
+            console.print("writing the small preset ...")
+            model_dir = write_preset(Path(tmp) / "small", "small", "llama", seed=cfg.seed)
+        loaded = load_model(model_dir)
+        with Progress(console=console, transient=True) as progress:
+            ttft = bench_ttft(loaded, cfg, progress)
+            decode = bench_decode(loaded, cfg, progress)
+    kv = bench_kv_bytes(loaded, cfg)
+    ratio_b8 = decode.get("batch_8", {}).get("ratio")
+    return {
+        "model": "small preset" if cfg.model_dir is None else str(cfg.model_dir),
+        "torch_threads": torch.get_num_threads(),
+        "prompt_tokens": cfg.prompt_tokens,
+        "ttft_s": ttft,
+        "prefill_speedup_50pct_hit": ttft["cache_off"] / ttft["hit_50pct"],
+        "prefill_speedup_90pct_hit": ttft["cache_off"] / ttft["hit_90pct"],
+        "decode": {"prompt_tokens": cfg.decode_prompt_tokens, "new_tokens": cfg.decode_tokens, **decode},
+        "decode_throughput_ratio_vs_hf_batch8": ratio_b8,
+        "kv_bytes_per_token": kv,
+    }

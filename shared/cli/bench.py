@@ -1,0 +1,36 @@
+"""`kvmesh bench ...`: benchmarks that print one JSON object of side-by-side ratios.
+
+A typer group; each benchmark is one command (`engine` here; others add
+theirs with `@app.command()` in this module's app).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Benchmarks: side by side, as ratios, one JSON object.", no_args_is_help=True)
+
+
+@app.command()
+def engine(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir; default: the `small` preset in a temp dir.")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the TTFT runs.")] = 2048,
+    decode_tokens: Annotated[int, typer.Option(help="New tokens per sequence in the decode runs.")] = 32,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated decode batch sizes.")] = "1,8,32",
+) -> None:
+    """Prefill TTFT vs cached fraction, decode tokens/s vs HF transformers, KV bytes per token."""
+    from bench.engine import EngineBenchConfig, run_engine_bench
+
+    cfg = EngineBenchConfig(
+        model_dir=model,
+        prompt_tokens=prompt_tokens,
+        decode_tokens=decode_tokens,
+        batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()),
+    )
+    result = run_engine_bench(cfg)
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
