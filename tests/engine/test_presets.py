@@ -76,6 +76,23 @@ def test_chat_template_renders_a_tool_conversation(tokenizer: Tokenizer) -> None
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
+def test_same_text_and_ids_as_transformers(tokenizer: Tokenizer, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi é 😀"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": [1, "é"]}}}]},
+        {"role": "tool", "content": "r1"},
+    ]
+    ours = tokenizer.apply_chat_template(messages, tools=tools)
+    assert ours == hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(ours) == hf.encode(ours, add_special_tokens=False)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+
+
 def test_chat_template_rejects_unknown_role(tokenizer: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="unsupported role: narrator"):
         tokenizer.apply_chat_template([{"role": "narrator", "content": "x"}])
