@@ -71,9 +71,10 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tied_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with tied embeddings and attention_bias (q/k/v and o_proj biases)."""
     return write_preset(
         tmp_path_factory.mktemp("tied-llama"), "tiny", "llama", seed=3,
-        overrides={"tie_word_embeddings": True},
+        overrides={"tie_word_embeddings": True, "attention_bias": True},
     )
 
 
