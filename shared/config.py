@@ -71,6 +71,7 @@ class BusSettings(BaseModel):
     """How services talk over NATS: reconnects, publish retries, consumer defaults."""
 
     connect_timeout_s: float = 5.0
+    connect_retry_total_s: float = 30.0  # first connect: keep trying this long (NATS may still be starting)
     reconnect_wait_min_s: float = 0.1  # exponential backoff between reconnect attempts
     reconnect_wait_max_s: float = 2.0
     publish_timeout_s: float = 2.0  # one JetStream publish attempt

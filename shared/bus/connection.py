@@ -1,15 +1,19 @@
 """Connect to NATS with reconnects that never give up and callbacks that log.
 
-The client retries forever with exponential backoff (min..max from
-`BusSettings`, with jitter so a fleet does not reconnect in lockstep), always
-trying the server it has failed on least. Publishes made while reconnecting
-are buffered by nats-py and flushed on reconnect; JetStream publishes are
-additionally retried by `shared.bus.publish`.
+Once connected, the client retries forever with exponential backoff (min..max
+from `BusSettings`, jittered so a fleet does not reconnect in lockstep),
+always trying the server it has failed on least. Publishes made while
+reconnecting are buffered by nats-py and flushed on reconnect; JetStream
+publishes are additionally retried by `shared.bus.publish`. The first connect
+is retried too (NATS may still be starting) but only for
+`connect_retry_total_s`; then `ConnectionError` says which URL never answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -27,40 +31,60 @@ def reconnect_delay(attempts: int, settings: BusSettings, rng: random.Random) ->
     return base * (0.5 + rng.random() / 2)
 
 
-async def connect(url: str, name: str, settings: BusSettings | None = None) -> NATS:
-    """An open connection to `url` (comma-separated for a cluster); raises if the first connect fails."""
-    settings = settings or BusSettings()
-    rng = random.Random()  # jitter only; nothing is derived from it
+@dataclass(slots=True)
+class _Hooks:
+    """nats-py callbacks of one connection: log each state change, pick servers with backoff."""
 
-    def pick_server(pool: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
+    name: str
+    settings: BusSettings
+    nc: NATS
+    rng: random.Random = field(default_factory=random.Random)  # jitter only; nothing is derived from it
+
+    def pick_server(self, pool: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
         server = min(pool, key=lambda s: s.reconnects)
-        return server, reconnect_delay(server.reconnects, settings, rng)
+        return server, reconnect_delay(server.reconnects, self.settings, self.rng)
 
-    async def on_error(exc: Exception) -> None:
-        log.warning("nats error", connection=name, error=repr(exc))
+    def server(self) -> str:
+        return str(self.nc.connected_url.netloc) if self.nc.connected_url else ""
 
-    async def on_disconnected() -> None:
-        log.warning("nats disconnected", connection=name)
+    async def on_error(self, exc: Exception) -> None:
+        log.warning("nats error", connection=self.name, error=repr(exc))
 
-    async def on_reconnected() -> None:
-        log.info("nats reconnected", connection=name, server=str(nc.connected_url.netloc if nc.connected_url else ""))
+    async def on_disconnected(self) -> None:
+        log.warning("nats disconnected", connection=self.name)
 
-    async def on_closed() -> None:
-        log.info("nats connection closed", connection=name)
+    async def on_reconnected(self) -> None:
+        log.info("nats reconnected", connection=self.name, server=self.server())
 
+    async def on_closed(self) -> None:
+        log.info("nats connection closed", connection=self.name)
+
+
+async def connect(url: str, name: str, settings: BusSettings | None = None) -> NATS:
+    """An open connection to `url` (comma-separated URLs for a cluster)."""
+    settings = settings or BusSettings()
     nc = NATS()
-    await nc.connect(
-        servers=[u.strip() for u in url.split(",") if u.strip()],
-        name=name,
-        connect_timeout=settings.connect_timeout_s,
-        allow_reconnect=True,
-        max_reconnect_attempts=-1,
-        reconnect_to_server_handler=pick_server,
-        error_cb=on_error,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        closed_cb=on_closed,
-    )
-    log.info("nats connected", connection=name, server=str(nc.connected_url.netloc if nc.connected_url else ""))
+    hooks = _Hooks(name, settings, nc)
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=settings.connect_timeout_s,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=settings.reconnect_wait_max_s,  # used by the first connect only
+                reconnect_to_server_handler=hooks.pick_server,
+                error_cb=hooks.on_error,
+                disconnected_cb=hooks.on_disconnected,
+                reconnected_cb=hooks.on_reconnected,
+                closed_cb=hooks.on_closed,
+            ),
+            timeout=settings.connect_retry_total_s,
+        )
+    except TimeoutError:
+        await nc.close()
+        raise ConnectionError(f"NATS at {url} did not answer within {settings.connect_retry_total_s:.0f}s") from None
+    log.info("nats connected", connection=name, server=hooks.server())
     return nc
-

@@ -4,7 +4,7 @@ Contract for a handler `async (msg) -> None`:
 - returns: the message is acked.
 - raises `PermanentError` or a `ProtocolError` (undecodable bytes): it is
   dead-lettered at once; retrying cannot help.
-- raises anything else: it is nak'ed with a delay and redelivered, up to the
+- raises anything else, or runs past the consumer's `handler_timeout_s`: it is nak'ed with a delay and redelivered, up to the
   consumer's `max_deliver` attempts; the failure of the last attempt
   dead-letters it. A message whose attempts died with their process (no
   verdict at all) is dead-lettered when it comes back once more.
@@ -127,7 +127,7 @@ class ConsumerLoop:
                 if self._stopping.is_set():
                     await msg.nak()  # fetched while stopping: give it back for prompt redelivery
                     continue
-                task = asyncio.create_task(self._handle(msg))
+                task = asyncio.create_task(self._guarded(msg))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
 
@@ -142,6 +142,14 @@ class ConsumerLoop:
             log.warning("drain deadline passed, cancelled handlers", durable=self.spec.durable, count=len(left))
             await asyncio.wait(left)
 
+    async def _guarded(self, msg: Msg) -> None:
+        try:
+            await self._handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - settling failed (link down): the server redelivers
+            log.warning("could not settle message", subject=msg.subject, error=repr(exc))
+
     async def _handle(self, msg: Msg) -> None:
         md = msg.metadata
         label = self.spec.filter_subject
@@ -155,8 +163,10 @@ class ConsumerLoop:
         in_flight = self.metrics.messages_in_flight.labels(label)
         in_flight.inc()
         start = time.perf_counter()
+        deadline = asyncio.timeout(self.spec.handler_timeout_s)
         try:
-            await self.handler(msg)
+            async with deadline:
+                await self.handler(msg)
         except asyncio.CancelledError:
             await _quietly(msg.nak())
             raise
@@ -165,11 +175,12 @@ class ConsumerLoop:
             await self._dead_letter(msg, f"permanent: {exc!r}")
         except Exception as exc:
             self.metrics.messages_failed.labels(label).inc()
+            error = f"handler timed out after {self.spec.handler_timeout_s}s" if deadline.expired() else repr(exc)
             if deliveries >= self.spec.max_deliver:
-                await self._dead_letter(msg, f"failed {deliveries} times, last: {exc!r}")
+                await self._dead_letter(msg, f"failed {deliveries} times, last: {error}")
             else:
                 log.warning("handler failed, will retry", durable=self.spec.durable, subject=msg.subject,
-                            deliveries=deliveries, error=repr(exc))
+                            deliveries=deliveries, error=error)
                 await msg.nak(delay=self.settings.nak_delay_s)
         else:
             await self._ack(msg)

@@ -75,6 +75,7 @@ class ConsumerSpec:
     max_deliver: int = 5
     max_ack_pending: int = 1000
     deliver_new_only: bool = False  # True: skip what was in the stream before the consumer existed
+    handler_timeout_s: float = 300.0  # a hung handler counts as a failed attempt (client side only)
 
     def config(self) -> api.ConsumerConfig:
         return api.ConsumerConfig(

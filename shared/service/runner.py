@@ -73,7 +73,7 @@ class ServiceContext:
         default_factory=list
     )
     ready_check: Callable[[], bool] = lambda: True
-    load: Callable[[], float] = lambda: 0.0
+    load: Callable[[], float] | None = None  # default: messages in flight across this service's consumers
     capacity: float = 1.0
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -149,7 +149,8 @@ class ServiceRunner:
             await asyncio.gather(*(_bound(c, t) for c, t in zip(ctx.consumers, tasks, strict=True)))
             heartbeat = HeartbeatLoop(js, self.worker_id, self.role, self.http_endpoint,
                                       s.service.heartbeat_interval_s, s.service.heartbeat_ttl_s, self.metrics,
-                                      load=ctx.load, capacity=ctx.capacity)
+                                      load=ctx.load or (lambda: float(sum(c.in_flight for c in ctx.consumers))),
+                                      capacity=ctx.capacity)
             tasks.append(asyncio.create_task(heartbeat.run()))
             log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id)
             self._started.set()

@@ -63,3 +63,19 @@ async def watch_workers(js: JetStreamContext) -> AsyncIterator[WorkerChange]:
                 yield WorkerChange(Change.UP, entry.key, hb)
     finally:
         await watcher.stop()
+
+
+async def alive_workers(js: JetStreamContext) -> dict[str, Heartbeat]:
+    """A snapshot: worker id -> latest heartbeat of every worker whose entry has not expired."""
+    kv = await js.key_value(subjects.WORKERS_BUCKET)
+    watcher = await kv.watchall(ignore_deletes=True)
+    alive: dict[str, Heartbeat] = {}
+    try:
+        while (entry := await watcher.updates(timeout=5.0)) is not None:
+            try:
+                alive[entry.key] = Heartbeat.from_bytes(entry.value or b"")
+            except ProtocolError as exc:
+                log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
+    finally:
+        await watcher.stop()
+    return alive

@@ -173,3 +173,55 @@ async def test_permanent_error_skips_retries(nats_server):
         await asyncio.wait_for(task, 5)
     assert calls == [1]
     assert "context" in dead.headers[subjects.HDR_DLQ_REASON]
+
+
+async def test_hung_handler_times_out_and_is_dead_lettered(nats_server):
+    worker = unique("w")
+    spec = ConsumerSpec(JOBS.name, f"prefill-{worker}", subjects.jobs_prefill(worker), ack_wait_s=1.0,
+                        max_deliver=1, handler_timeout_s=0.5)
+
+    async def hang(msg: Msg) -> None:
+        await asyncio.Event().wait()
+
+    async with connected(nats_server.url) as nc:
+        loop = _loop(nc, spec, hang)
+        task = asyncio.create_task(loop.run())
+        ack = await Publisher(nc.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
+        dead = await asyncio.wait_for(_dead_letters(nc, JOBS.name, ack.seq), 10)
+        loop.stop()
+        await asyncio.wait_for(task, 5)
+    assert "handler timed out after 0.5s" in dead.headers[subjects.HDR_DLQ_REASON]
+
+
+async def test_message_whose_last_attempt_died_is_dead_lettered_not_dropped(nats_server):
+    worker = unique("w")
+    spec = ConsumerSpec(JOBS.name, f"decode-{worker}", subjects.jobs_decode(worker), ack_wait_s=1.0, max_deliver=1)
+    async with connected(nats_server.url) as nc_b:
+        nc_a = await connect(nats_server.url, "instance-a", FAST_BUS)
+        taken = asyncio.Event()
+
+        async def hang(msg: Msg) -> None:
+            taken.set()
+            await asyncio.Event().wait()
+
+        loop_a = _loop(nc_a, spec, hang)
+        task_a = asyncio.create_task(loop_a.run())
+        await loop_a.wait_ready()
+        ack = await Publisher(nc_b.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
+        await asyncio.wait_for(taken.wait(), 5)
+        task_a.cancel()
+        await nc_a.close()  # the only attempt dies without a verdict
+
+        calls: list[int] = []
+
+        async def never_called(msg: Msg) -> None:
+            calls.append(msg.metadata.num_delivered)
+
+        loop_b = _loop(nc_b, spec, never_called)
+        task_b = asyncio.create_task(loop_b.run())
+        dead = await asyncio.wait_for(_dead_letters(nc_b, JOBS.name, ack.seq), 10)
+        loop_b.stop()
+        await asyncio.wait_for(task_b, 5)
+    assert calls == []
+    assert "no verdict after 1 deliveries" in dead.headers[subjects.HDR_DLQ_REASON]
+    assert dead.headers[subjects.HDR_DLQ_DELIVERIES] == "2"

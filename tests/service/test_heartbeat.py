@@ -11,7 +11,7 @@ from bus.helpers import connected, unique
 from shared.metrics import ServiceMetrics
 from shared.protocol.messages import Role
 from shared.service.heartbeat import HeartbeatLoop
-from shared.service.watch import Change, WorkerChange, watch_workers
+from shared.service.watch import Change, WorkerChange, alive_workers, watch_workers
 
 
 async def _next_for(changes: AsyncIterator[WorkerChange], worker_id: str, timeout_s: float) -> WorkerChange:
@@ -59,6 +59,7 @@ async def test_graceful_withdraw_and_restart_are_seen(nats_server):
         first = _beater(js, worker)
         await first.beat()
         assert (await _next_for(changes, worker, 5)).change is Change.UP
+        assert (await alive_workers(js))[worker].started_at == first.started_at
         second = _beater(js, worker)  # same id, new process: new started_at
         await second.beat()
         restart = [await _next_for(changes, worker, 5), await _next_for(changes, worker, 5)]
@@ -68,6 +69,7 @@ async def test_graceful_withdraw_and_restart_are_seen(nats_server):
         await second.withdraw()
         assert (await _next_for(changes, worker, 5)).change is Change.DOWN
         assert time.monotonic() - t0 < 1.5  # deleted, not waiting for the TTL
+        assert worker not in await alive_workers(js)
         await changes.aclose()
 
 
