@@ -34,3 +34,17 @@ def engine(
     )
     result = run_engine_bench(cfg)
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def tiers(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    blocks: Annotated[int, typer.Option(help="Blocks of the small model's shape per tier run.")] = 1000,
+    restore_tokens: Annotated[int, typer.Option(help="Prefix length for L3 restore vs recompute.")] = 2048,
+    restore: Annotated[bool, typer.Option(help="Run the small-model restore vs recompute comparison.")] = True,
+) -> None:
+    """L2 vs memcpy, L3 vs raw minio put/get, L3 prefix restore vs recompute (small preset)."""
+    from bench.tiers import TierBenchConfig, run_tiers_bench
+
+    result = run_tiers_bench(TierBenchConfig(blocks=blocks, restore_tokens=restore_tokens, restore=restore))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
