@@ -68,11 +68,13 @@ def up(
 ) -> None:
     """Start NATS, the S3 server and every kvmesh service; print the endpoints once all are ready.
 
-    Without --detach it stays in the foreground; Ctrl-C or SIGTERM stops everything. A second `up`
-    on a state dir whose stack runs exits with code 3. KVMESH_NATS_URL / KVMESH_S3_ENDPOINT (+ keys)
-    use those servers instead of local ones.
+    Without --detach it stays in the foreground; Ctrl-C or SIGTERM stops everything.
+
+    A second `up` on a state dir whose stack is running exits with code 3 and changes nothing.
+
+    KVMESH_NATS_URL / KVMESH_S3_ENDPOINT (+ _ACCESS_KEY, _SECRET_KEY) use those servers instead.
     """
-    from shared.stack.up import UpOptions, hold_foreground
+    from shared.stack.up import UpOptions
     from shared.stack.up import up as stack_up
 
     settings = _settings("up")
@@ -89,15 +91,11 @@ def up(
         s3_port=settings.s3.port if s3_port is None else s3_port,
     )
     try:
-        state = stack_up(settings, opts, typer.echo)
+        stack_up(settings, opts, typer.echo)
     except StackError as exc:
         raise _fail("up", exc.code, exc.message) from None
     except KeyboardInterrupt:
-        raise _fail("up", ExitCode.START_FAILED, "interrupted; everything started was stopped") from None
-    if not detach:
-        typer.echo("running in the foreground; Ctrl-C stops the stack")
-        hold_foreground(state, settings, typer.echo)
-        typer.echo("stack stopped")
+        raise _fail("up", ExitCode.START_FAILED, "interrupted during start; everything started was stopped") from None
 
 
 def status(

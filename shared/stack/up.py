@@ -46,25 +46,35 @@ class UpOptions:
 
 
 def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> StackState:
-    """Start the stack and return its state once everything is ready; foreground mode then waits for a signal."""
+    """Start the stack; return once all is ready (--detach), or hold it until SIGINT/SIGTERM or `kvmesh down`.
+
+    Any failure or interrupt before that stops what was started; the foreground stack is stopped on return.
+    """
     state_dir = opts.state_dir.resolve()
     ensure_writable(state_dir)
     state = _claim(state_dir, opts.detach)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _start_everything(settings, opts, state, say)
-    except BaseException:
-        _teardown(state, settings.stack.stop_grace_s)
-        raise
+        try:
+            _start_everything(settings, opts, state, say)
+        except BaseException:
+            _teardown(state, settings.stack.stop_grace_s)
+            raise
+        if not opts.detach:
+            try:
+                say("running in the foreground; Ctrl-C stops the stack")
+                _hold(state, say)
+            finally:
+                _teardown(state, settings.stack.stop_grace_s)
+            say("stack stopped")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return state
 
 
-def hold_foreground(state: StackState, settings: Settings, say: Callable[[str], None]) -> None:
-    """Keep a foreground stack until SIGINT/SIGTERM, or until `kvmesh down` removed the state file."""
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+def _hold(state: StackState, say: Callable[[str], None]) -> None:
+    """Wait for SIGINT/SIGTERM, or for `kvmesh down` to remove the state file; report processes that die."""
     reported: set[str] = set()
     try:
         while load_state(Path(state.state_dir)) is not None:
@@ -75,10 +85,6 @@ def hold_foreground(state: StackState, settings: Settings, say: Callable[[str], 
             time.sleep(0.3)
     except KeyboardInterrupt:
         say("stopping the stack ...")
-    finally:
-        _teardown(state, settings.stack.stop_grace_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

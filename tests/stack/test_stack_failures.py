@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from stack_harness import StackDir, pids_for
+from stack_harness import KVMESH, StackDir, pids_for
 
 from shared.stack.errors import ExitCode
 from shared.stack.servers import free_port, port_in_use
@@ -86,3 +89,25 @@ def test_unknown_service_count_is_a_usage_error(stack: StackDir) -> None:
     out = stack.up("--prefill", "2")
     assert_one_line_failure(out, ExitCode.USAGE, "prefill", "echo")
     assert stack.state() is None and not stack.seen
+
+
+def test_readiness_deadline_stops_everything(stack: StackDir, model_stub: Path) -> None:
+    out = stack.up("--model", str(model_stub), "--timeout", "3", STACKTEST_NEVER_READY="1")
+    assert_one_line_failure(out, ExitCode.START_FAILED, "not ready before the deadline", "echo-0")
+    assert stack.state() is None and pids_for(stack.state_dir) == []
+
+
+def test_interrupt_during_start_stops_everything(stack: StackDir, model_stub: Path) -> None:
+    proc = subprocess.Popen([KVMESH, *stack.up_args("--detach", "--model", str(model_stub), "--timeout", "60")],
+                            env={**stack.env, "STACKTEST_NEVER_READY": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stack.launchers.append(proc)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not any(r.name == "echo-0" for r in stack.seen.values()):
+        stack.remember()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == ExitCode.START_FAILED and "interrupted" in err and "Traceback" not in err, err
+    assert {r.name for r in stack.seen.values()} == {"nats", "s3", "echo-0"}
+    assert stack.state() is None and pids_for(stack.state_dir) == []

@@ -2,7 +2,8 @@
 
 It reads its settings the way services do (shared.config), serves
 GET /readyz (200) and GET /settings (what it was told), and exits 0 on
-SIGTERM. STACKTEST_EXIT_AT_START=1 makes it fail at once (exit 3).
+SIGTERM. STACKTEST_EXIT_AT_START=1 makes it fail at once (exit 3);
+STACKTEST_NEVER_READY=1 makes /readyz answer 503 forever.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def main() -> None:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             body = {"/readyz": b"ok", "/settings": json.dumps(told).encode()}.get(self.path)
-            self.send_response(200 if body is not None else 404)
+            if self.path == "/readyz" and os.environ.get("STACKTEST_NEVER_READY"):
+                self.send_response(503)
+            else:
+                self.send_response(200 if body is not None else 404)
             self.end_headers()
             self.wfile.write(body or b"")
 

@@ -1,0 +1,54 @@
+"""The parts of the stack that need no server: service discovery, replica specs, credentials, state claim."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from stack_harness import SVC_PACKAGE, SVC_PATH
+
+from shared.stack.credentials import load_or_create_credentials
+from shared.stack.errors import ExitCode, StackError
+from shared.stack.services import build_specs, discover_services
+from shared.stack.state import StackState, claim_state, load_state, remove_state
+
+
+@pytest.fixture
+def test_package_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SVC_PATH))
+
+
+def test_discovery_finds_packages_with_a_main(test_package_importable: None) -> None:
+    assert discover_services(SVC_PACKAGE) == ["echo"]
+    assert discover_services("no_such_package_anywhere") == []
+
+
+def test_specs_default_one_replica_counts_override_and_unknown_fails() -> None:
+    specs = build_specs("services", ["decode", "ingress", "prefill"], {"prefill": 3, "decode": 0})
+    assert [(s.name, s.module, s.replicas) for s in specs] == [
+        ("decode", "services.decode", 0), ("ingress", "services.ingress", 1), ("prefill", "services.prefill", 3)]
+    with pytest.raises(StackError) as err:
+        build_specs("services", ["ingress"], {"prefil": 2})
+    assert err.value.code == ExitCode.USAGE and "prefil" in err.value.message
+
+
+def test_credentials_created_once_with_0600(tmp_path: Path) -> None:
+    first = load_or_create_credentials(tmp_path)
+    path = tmp_path / "s3-credentials.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_credentials(tmp_path) == first
+    other = tmp_path / "other"
+    other.mkdir()
+    assert load_or_create_credentials(other) != first  # random per state dir
+
+
+def test_only_one_claim_wins(tmp_path: Path) -> None:
+    state = StackState(state_dir=str(tmp_path), launcher_pid=os.getpid(), launcher_ticks=1, detached=True)
+    assert claim_state(state)
+    assert not claim_state(state.model_copy(update={"launcher_pid": 1}))
+    assert load_state(tmp_path).launcher_pid == os.getpid()
+    remove_state(tmp_path)
+    assert load_state(tmp_path) is None  # gone, claimable again
+    assert claim_state(state)
