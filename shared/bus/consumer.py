@@ -100,6 +100,7 @@ class ConsumerLoop:
         try:
             await self._fetch_loop(sub)
         finally:
+            self._ready.clear()  # /readyz must not report a consumer that is no longer fetching
             await self._drain_inflight()
             await sub.unsubscribe()
             log.info("consumer stopped", stream=self.spec.stream, durable=self.spec.durable)

@@ -56,6 +56,16 @@ log = get_logger(__name__)
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A request/reply endpoint: requests on `subject` decoded as `request_model`, answered by `handler`."""
+
+    subject: str
+    request_model: type[Message]
+    handler: Callable[[Message], Awaitable[Message]]
+    queue: str
+
+
 @dataclass(slots=True)
 class ServiceContext:
     """What `setup` gets: the connection, identity, settings, and the registration calls."""
@@ -69,9 +79,7 @@ class ServiceContext:
     publisher: Publisher
     metrics: ServiceMetrics
     consumers: list[ConsumerLoop] = field(default_factory=list)
-    endpoints: list[tuple[str, type[Message], Callable[[Message], Awaitable[Message]], str]] = field(
-        default_factory=list
-    )
+    endpoints: list[Endpoint] = field(default_factory=list)
     ready_check: Callable[[], bool] = lambda: True
     load: Callable[[], float] | None = None  # default: messages in flight across this service's consumers
     capacity: float = 1.0
@@ -86,7 +94,7 @@ class ServiceContext:
     def add_endpoint(self, subject: str, request_model: type[Message],
                      handler: Callable[[Message], Awaitable[Message]], queue: str | None = None) -> None:
         """A request/reply endpoint, load-shared across replicas through queue group `queue` (default: name)."""
-        self.endpoints.append((subject, request_model, handler, queue or self.name))
+        self.endpoints.append(Endpoint(subject, request_model, handler, queue or self.name))
 
 
 Setup = Callable[[ServiceContext], Awaitable[None]]
@@ -134,8 +142,6 @@ class ServiceRunner:
         http = SideServer(s.service.http_host, s.service.http_port, self.readiness, self.metrics)
         nc: NATS | None = None
         tasks: list[asyncio.Task[None]] = []
-        heartbeat: HeartbeatLoop | None = None
-        subs: list[Subscription] = []
         try:
             self.http_endpoint = await http.start()
             nc = await connect(s.nats_url or DEFAULT_NATS_URL, f"{self.name}:{self.worker_id}", s.bus)
@@ -143,10 +149,10 @@ class ServiceRunner:
             self.ctx = ctx = ServiceContext(self.name, self.role, self.worker_id, s, nc, js,
                                             Publisher(js, s.bus, self.metrics), self.metrics)
             await self._setup(ctx)
-            for subject, model, handler, queue in ctx.endpoints:
-                subs.append(await serve(nc, subject, model, handler, queue))
-            tasks += [asyncio.create_task(c.run()) for c in ctx.consumers]
-            await asyncio.gather(*(_bound(c, t) for c, t in zip(ctx.consumers, tasks, strict=True)))
+            subs = [await serve(nc, e.subject, e.request_model, e.handler, e.queue) for e in ctx.endpoints]
+            consumer_tasks = [asyncio.create_task(c.run()) for c in ctx.consumers]
+            tasks += consumer_tasks
+            await asyncio.gather(*(_bound(c, t) for c, t in zip(ctx.consumers, consumer_tasks, strict=True)))
             heartbeat = HeartbeatLoop(js, self.worker_id, self.role, self.http_endpoint,
                                       s.service.heartbeat_interval_s, s.service.heartbeat_ttl_s, self.metrics,
                                       load=ctx.load or (lambda: float(sum(c.in_flight for c in ctx.consumers))),
@@ -156,7 +162,7 @@ class ServiceRunner:
             self._started.set()
             await self._stop.wait()
             log.info("draining", worker_id=self.worker_id)
-            return await self._drain(nc, subs, tasks, heartbeat)
+            return await self._drain(nc, subs, consumer_tasks, heartbeat)
         except Exception:
             log.exception("service failed", worker_id=self.worker_id)
             return 1
@@ -168,14 +174,13 @@ class ServiceRunner:
             await http.stop()
             self._started.set()  # never leave a waiter hanging on a failed start
 
-    async def _drain(self, nc: NATS, subs: list[Subscription], tasks: list[asyncio.Task[None]],
+    async def _drain(self, nc: NATS, subs: list[Subscription], consumer_tasks: list[asyncio.Task[None]],
                      heartbeat: HeartbeatLoop) -> int:
         self._draining = True  # /readyz -> 503 first, so routers stop sending here
         ctx = self.ctx
         assert ctx is not None
         for c in ctx.consumers:
             c.stop()
-        consumer_tasks = tasks[: len(ctx.consumers)]
         await asyncio.gather(*consumer_tasks, return_exceptions=True)  # each bounded by drain_timeout_s
         for sub in subs:
             await sub.drain()

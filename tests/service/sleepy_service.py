@@ -11,9 +11,22 @@ import asyncio
 from nats.aio.msg import Msg
 
 from shared.protocol import subjects
+from shared.protocol.base import Message
 from shared.protocol.messages import Role
 from shared.protocol.streams import JOBS, ConsumerSpec
 from shared.service.runner import ServiceContext, run_service
+
+
+class StatusQuery(Message):
+    pass
+
+
+class Status(Message):
+    in_flight: int
+
+
+def status_subject(worker_id: str) -> str:
+    return f"kvmesh.test.status.{subjects.token(worker_id)}"
 
 
 async def setup(ctx: ServiceContext) -> None:
@@ -24,7 +37,12 @@ async def setup(ctx: ServiceContext) -> None:
         seq = msg.metadata.sequence.stream
         await ctx.publisher.publish(subjects.kv_events(ctx.worker_id), b"done:" + msg.data, msg_id=f"done-{seq}")
 
-    ctx.add_consumer(spec, work)
+    loop = ctx.add_consumer(spec, work)
+
+    async def status(_: StatusQuery) -> Status:
+        return Status(in_flight=loop.in_flight)
+
+    ctx.add_endpoint(status_subject(ctx.worker_id), StatusQuery, status)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from bus.helpers import FAST_BUS, connected, eventually, unique
 from nats.js.errors import KeyNotFoundError
 
 from shared.bus.publish import Publisher
+from shared.bus.request import request
 from shared.config import ServiceSettings, Settings
 from shared.protocol import subjects
 from shared.protocol.messages import Role
@@ -24,6 +25,7 @@ from shared.protocol.streams import JOBS, KV_EVENTS
 from shared.service.runner import ServiceRunner
 from shared.stack.servers import free_port
 
+from .sleepy_service import Status, StatusQuery, status_subject
 from .sleepy_service import setup as sleepy_setup
 
 SLEEPY = Path(__file__).with_name("sleepy_service.py")
@@ -73,6 +75,7 @@ async def test_runner_serves_http_and_drains_in_flight_work(nats_server):
         await Publisher(js, FAST_BUS).publish(subjects.jobs_prefill(worker), b"1.0", msg_id=unique())
 
         await eventually(lambda: runner.ctx.consumers[0].in_flight == 1, 5, "the job's handler to run")
+        assert await request(nc, status_subject(worker), StatusQuery(), Status, timeout_s=2) == Status(in_flight=1)
         runner.stop()
 
         async def unready() -> bool:
