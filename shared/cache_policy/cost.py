@@ -5,9 +5,9 @@
 - reuse: how often the block was requested, remembered across evictions
   (``AccessHistory``), plus its cached children: every session branching
   from a block is one more way it gets reused;
-- cost: recomputing a block at depth d costs its dense FLOPs plus attention
-  to the d blocks before it, ``1 + (d + 1/2) * num_tokens / attn_equiv_tokens``
-  in units of one block's dense compute;
+- cost: recomputing a block of n tokens at depth d costs its dense FLOPs
+  plus attention to the d blocks before it,
+  ``n * (1 + (d + 1/2) * n / attn_equiv_tokens)`` in token-FLOP units;
 - the exponential is the decay of reuse with idle time.
 
 The priority is ``log(value)`` without its ``-now / tau`` term, which is the
@@ -53,7 +53,14 @@ class CostPolicy:
         return max(self.history.count(info.block_hash), info.access_count) + info.num_children
 
     def recompute_cost(self, info: BlockInfo) -> float:
-        return 1.0 + (info.depth + 0.5) * info.num_tokens / self.params.attn_equiv_tokens
+        """Prefill FLOPs of the block's tokens, in units of one token's dense FLOPs.
+
+        Blocks before this one are taken to be as full as it is: exact for
+        full blocks; a prompt's partial last block gets a smaller cost, which
+        it deserves, since a ragged end is rarely requested again as-is.
+        """
+        context = (info.depth + 0.5) * info.num_tokens
+        return info.num_tokens * (1.0 + context / self.params.attn_equiv_tokens)
 
     def priority(self, info: BlockInfo, now: float) -> float:
         value = self.reuse(info) * self.recompute_cost(info) / max(info.size_bytes, 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.cache_policy.base import EvictionPolicy
 from shared.cache_policy.policy_cache import BlockSpec, PolicyCache
-from shared.sim.trace import TRACE_BLOCK_TOKENS, Trace
+from shared.sim.trace import Trace
 
 Progress = Callable[[int], None]
 
@@ -49,7 +49,7 @@ def replay(
     for i, request in enumerate(trace.requests):
         if on_request is not None:
             on_request(i)
-        specs = [BlockSpec(block_hash=b, num_tokens=TRACE_BLOCK_TOKENS) for b in request.blocks]
+        specs = [BlockSpec(block_hash=b, num_tokens=request.block_tokens(k)) for k, b in enumerate(request.blocks)]
         result = cache.insert(specs, request.time_s)
         hits += result.hit_blocks
         total += len(specs)

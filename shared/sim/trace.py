@@ -23,6 +23,13 @@ class TraceRequest:
     output_length: int
     blocks: tuple[bytes, ...]
 
+    def block_tokens(self, index: int) -> int:
+        """Tokens in block ``index``: full blocks, except a partial last one."""
+        if index < len(self.blocks) - 1:
+            return TRACE_BLOCK_TOKENS
+        rest = self.input_length - TRACE_BLOCK_TOKENS * (len(self.blocks) - 1)
+        return rest if 0 < rest <= TRACE_BLOCK_TOKENS else TRACE_BLOCK_TOKENS
+
 
 @dataclass(slots=True, frozen=True)
 class Trace:
