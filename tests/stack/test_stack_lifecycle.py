@@ -7,6 +7,7 @@ import io
 import json
 import stat
 import urllib.request
+from pathlib import Path
 
 import nats
 from minio import Minio
@@ -65,8 +66,8 @@ async def js_messages(url: str) -> int:
     return info.state.messages
 
 
-def test_up_status_down_restart_fresh(stack: StackDir) -> None:
-    out = stack.up("--replicas", "echo=1")
+def test_up_status_down_restart_fresh(stack: StackDir, model_stub: Path) -> None:
+    out = stack.up("--replicas", "echo=1", "--model", str(model_stub))
     assert out.returncode == 0, out.stderr
     assert "ready" in out.stdout and "nats://" in out.stdout
     state = stack.state()
@@ -84,8 +85,7 @@ def test_up_status_down_restart_fresh(stack: StackDir) -> None:
     assert told["nats_url"] == state.nats_url and told["s3_endpoint"] == state.s3_endpoint
     assert told["worker_id"] == "echo-0" and told["http_port"] == int(echo.url.rsplit(":", 1)[1])
     assert told["state_dir"] == str(stack.state_dir.resolve())
-    assert (stack.state_dir / "models" / "tiny" / "config.json").is_file()
-    assert told["model_dir"] == str(stack.state_dir.resolve() / "models" / "tiny")
+    assert told["model_dir"] == str(model_stub.resolve())
     creds_file = stack.state_dir / "s3-credentials.json"
     assert stat.S_IMODE(creds_file.stat().st_mode) == 0o600
     assert told["s3_access_key"] == read_credentials(stack.state_dir).access_key

@@ -11,6 +11,7 @@ from stack_harness import SVC_PACKAGE, SVC_PATH
 
 from shared.stack.credentials import load_or_create_credentials
 from shared.stack.errors import ExitCode, StackError
+from shared.stack.model import resolve_model_dir
 from shared.stack.services import build_specs, discover_services
 from shared.stack.state import StackState, claim_state, load_state, remove_state
 
@@ -52,3 +53,20 @@ def test_only_one_claim_wins(tmp_path: Path) -> None:
     remove_state(tmp_path)
     assert load_state(tmp_path) is None  # gone, claimable again
     assert claim_state(state)
+
+
+def test_tiny_model_made_once_when_needed(tmp_path: Path) -> None:
+    assert resolve_model_dir(None, tmp_path, needed=False) is None
+    made = resolve_model_dir(None, tmp_path, needed=True)
+    assert made == tmp_path / "models" / "tiny" and (made / "config.json").is_file()
+    assert (made / "tokenizer.json").is_file() and list(made.glob("*.safetensors"))
+    stamp = (made / "config.json").stat().st_mtime_ns
+    assert resolve_model_dir(None, tmp_path, needed=True) == made
+    assert (made / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert not (tmp_path / "models" / ".tiny.partial").exists()
+
+
+def test_explicit_model_dir_must_be_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(StackError) as err:
+        resolve_model_dir(tmp_path, tmp_path, needed=True)
+    assert err.value.code == ExitCode.USAGE and "config.json" in err.value.message
