@@ -8,7 +8,9 @@ arguments -> byte-identical files -> same fingerprint.
 Init is chosen for cache transparency (DESIGN.md): the lm_head is scaled so
 logits have a std of ~`LOGIT_STD` and the top-2 gap is typically far above
 float-ordering noise; q/k are scaled so attention is peaked, not uniform,
-which keeps position and cache bugs visible in logits.
+and residual branches outweigh the embedding, so the next token depends on
+the whole context (position and cache bugs show in logits) rather than
+echoing the last token.
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ def _init_std(name: str, shape: torch.Size, cfg: ModelConfig) -> float:
     if name.endswith("embed_tokens.weight"):
         return 1.0
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.5 / math.sqrt(fan_in)  # residual branches: keep the stream from blowing up
+        # Residual branches outweigh the embedding, so with tied embeddings the
+        # final state is not just the input token again (which would echo it).
+        return 2.0 / math.sqrt(fan_in)
     if name.endswith("bias"):
         return 0.1
     return 1.0 / math.sqrt(fan_in)

@@ -98,32 +98,43 @@ def test_chat_template_rejects_unknown_role(tokenizer: Tokenizer) -> None:
         tokenizer.apply_chat_template([{"role": "narrator", "content": "x"}])
 
 
-def _top2_gaps(model_dir: Path, prompts: int = 48, length: int = 24) -> torch.Tensor:
+def _last_logits(model_dir: Path, prompts: torch.Tensor) -> torch.Tensor:
+    """Last-token logits of each row of `prompts` [P, L], all prefilled in one batch."""
     loaded = load_model(model_dir)
     cfg = loaded.config
-    gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, cfg.vocab_size, (prompts * length,), generator=gen)
+    n, length = prompts.shape
     block = 32  # each prompt in one block of its own
-    kv = torch.zeros(cfg.num_layers, 2, prompts, block, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, n, block, cfg.num_kv_heads, cfg.head_dim)
     batch = ForwardBatch(
-        input_ids=ids,
-        positions=torch.arange(length).repeat(prompts),
-        query_lens=torch.full((prompts,), length, dtype=torch.int32),
-        context_lens=torch.full((prompts,), length, dtype=torch.int32),
-        block_tables=torch.arange(prompts, dtype=torch.int32).unsqueeze(1),
-        slot_mapping=(torch.arange(prompts).unsqueeze(1) * block + torch.arange(length)).reshape(-1),
-        logits_indices=torch.arange(1, prompts + 1) * length - 1,
+        input_ids=prompts.reshape(-1),
+        positions=torch.arange(length).repeat(n),
+        query_lens=torch.full((n,), length, dtype=torch.int32),
+        context_lens=torch.full((n,), length, dtype=torch.int32),
+        block_tables=torch.arange(n, dtype=torch.int32).unsqueeze(1),
+        slot_mapping=(torch.arange(n).unsqueeze(1) * block + torch.arange(length)).reshape(-1),
+        logits_indices=torch.arange(1, n + 1) * length - 1,
     )
-    top2 = loaded.model(batch, kv).topk(2, dim=-1).values
-    return top2[:, 0] - top2[:, 1]
+    return loaded.model(batch, kv)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen2_model_dir"])
-def test_logits_are_well_separated(fixture: str, request: pytest.FixtureRequest) -> None:
-    gaps = _top2_gaps(request.getfixturevalue(fixture))
+def test_logits_are_well_separated_and_depend_on_context(fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    vocab = load_model(model_dir).config.vocab_size
+    prompts = torch.randint(0, vocab, (48, 24), generator=torch.Generator().manual_seed(11))
+    logits = _last_logits(model_dir, prompts)
+    top2 = logits.topk(2, dim=-1)
+    gaps = top2.values[:, 0] - top2.values[:, 1]
     # fp32 noise from reordered sums is ~1e-5 here; the typical margin must dwarf it.
     assert gaps.median() > 0.1
     assert (gaps > 1e-3).float().mean() > 0.9
+    # Not a degenerate echo of the last input token (tied embeddings invite that) ...
+    assert (top2.indices[:, 0] == prompts[:, -1]).float().mean() < 0.25
+    # ... and the earlier context moves the answer, so a wrong cached prefix would show.
+    other = prompts.clone()
+    other[:, :12] = torch.randint(0, vocab, (48, 12), generator=torch.Generator().manual_seed(12))
+    changed = _last_logits(model_dir, other).argmax(-1) != top2.indices[:, 0]
+    assert changed.float().mean() > 0.5
 
 
 def test_cli_model_init_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
