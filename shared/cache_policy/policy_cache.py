@@ -63,7 +63,7 @@ class PolicyCache:
         self._live: dict[bytes, int] = {}  # leaf -> seq of its valid heap entry
         self._pins: list[tuple[float, bytes]] = []  # (pinned_until, hash) parked leaves
         self._seq = 0
-        self._observe = policy.on_access if isinstance(policy, AccessObserver) else None  # AccessObserver, if the policy is one
+        self._observe = policy.on_access if isinstance(policy, AccessObserver) else None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -98,6 +98,9 @@ class PolicyCache:
         parent = specs[hit - 1].block_hash if hit else None
         for depth in range(hit, len(specs)):
             spec = specs[depth]
+            if spec.block_hash in self.blocks:  # a chain repeating a hash is malformed: stop
+                result.rejected = len(specs) - depth
+                break
             info = BlockInfo(
                 block_hash=spec.block_hash,
                 parent_hash=parent,

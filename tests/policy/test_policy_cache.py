@@ -80,3 +80,10 @@ def test_zero_capacity_caches_nothing() -> None:
     cache = PolicyCache(get_policy("cost"), 0)
     assert cache.insert(chain("a", "b"), 0).inserted == 0
     assert len(cache) == 0
+
+
+def test_a_chain_that_repeats_a_hash_stops_there() -> None:
+    cache = PolicyCache(LRUPolicy(), 10)
+    r = cache.insert(chain("a", "b", "a", "c"), 0)
+    assert (r.inserted, r.rejected) == (2, 2)
+    assert cache.blocks[b"a"].num_children == 1
