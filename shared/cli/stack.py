@@ -15,7 +15,9 @@ import typer
 
 from shared.stack.errors import EXIT_CODES_HELP, ExitCode, StackError
 
-StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")]
+StateDir = Annotated[
+    Optional[Path], typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -56,10 +58,10 @@ def _replicas(prefill: int | None, decode: int | None, pairs: list[str]) -> dict
 def up(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once ready; the stack keeps running.")] = False,
     fresh: Annotated[bool, typer.Option(help="Wipe the JetStream store and S3 data first.")] = False,
-    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir for the services (default: a tiny preset in the state dir).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: tiny preset in state dir).")] = None,
     prefill: Annotated[Optional[int], typer.Option(min=0, help="Prefill replicas.")] = None,
     decode: Annotated[Optional[int], typer.Option(min=0, help="Decode replicas.")] = None,
-    replicas: Annotated[list[str], typer.Option(help="NAME=N replicas of any service (repeatable).")] = [],  # noqa: B006
+    replicas: Annotated[list[str], typer.Option(help="NAME=N replicas of a service (repeatable).")] = [],  # noqa: B006
     nats_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings nats.port.")] = None,
     nats_monitor_port: Annotated[Optional[int], typer.Option(help="Default: settings nats.monitor_port.")] = None,
     s3_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings s3.port.")] = None,

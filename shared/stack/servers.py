@@ -242,8 +242,10 @@ class S3Server:
                 }
             ]
         }
-        path.write_text(json.dumps(ident))
-        path.chmod(0o600)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the secret is never world-readable
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(ident))
         return path
 
     def argv(self, binary: Path, creds: Path) -> list[str]:

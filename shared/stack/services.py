@@ -59,7 +59,8 @@ def build_specs(package: str, names: list[str], counts: dict[str, int]) -> list[
     unknown = sorted(set(counts) - set(names))
     if unknown:
         have = ", ".join(names) or "none"
-        raise StackError(ExitCode.USAGE, f"no service named {', '.join(unknown)} in package '{package}' (found: {have})")
+        names_asked = ", ".join(unknown)
+        raise StackError(ExitCode.USAGE, f"no service named {names_asked} in package '{package}' (found: {have})")
     return [ServiceSpec(name=n, module=f"{package}.{n}", replicas=counts.get(n, 1)) for n in names]
 
 
@@ -98,5 +99,6 @@ def start_service(spec: ServiceSpec, index: int, ctx: ServiceContext, log_dir: P
     worker_id = f"{spec.name}-{index}"
     port = free_port(ctx.host)
     argv = [sys.executable, "-m", spec.module]
-    proc = spawn_process(worker_id, argv, log_dir / f"{worker_id}.log", detach=True, env=service_env(ctx, worker_id, port))
+    env = service_env(ctx, worker_id, port)
+    proc = spawn_process(worker_id, argv, log_dir / f"{worker_id}.log", detach=True, env=env)
     return StartedService(worker_id=worker_id, host=ctx.host, http_port=port, process=proc)

@@ -9,7 +9,7 @@ from pathlib import Path
 from shared.config import Settings
 from shared.stack.credentials import S3Credentials, read_credentials
 from shared.stack.probe import EndpointStatus, check_endpoint
-from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
+from shared.stack.procs import ProcessStatus, launcher_alive, process_status, stop_in_order
 from shared.stack.servers import stop_pid
 from shared.stack.state import ProcessRecord, StackState, load_state, remove_state
 
@@ -73,6 +73,3 @@ def _recorded_since(state_dir: Path) -> list[ProcessRecord]:
     later = load_state(state_dir)
     return later.processes if later is not None else []
 
-
-def alive_names(state: StackState) -> list[str]:
-    return [r.name for r in state.processes if is_ours(r)]

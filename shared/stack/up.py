@@ -74,10 +74,11 @@ def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> Stack
 
 
 def _hold(state: StackState, say: Callable[[str], None]) -> None:
-    """Wait for SIGINT/SIGTERM, or for `kvmesh down` to remove the state file; report processes that die."""
+    """Wait for SIGINT/SIGTERM, `kvmesh down` removing the state file, or every process gone; report each death."""
+    all_names = {r.name for r in state.processes}
     reported: set[str] = set()
     try:
-        while load_state(Path(state.state_dir)) is not None:
+        while load_state(Path(state.state_dir)) is not None and (not state.processes or reported != all_names):
             for rec in state.processes:
                 if rec.name not in reported and not is_ours(rec):
                     reported.add(rec.name)
@@ -122,7 +123,8 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     _nats(settings, opts, state)
     creds = _s3(settings, opts, state)
     declare_streams(state.nats_url, settings.nats.replicas)
-    model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=any(s.replicas for s in specs))
+    needs_model = any(s.replicas for s in specs)
+    model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host)
     for spec in specs:
@@ -196,7 +198,7 @@ def _preflight(settings: Settings, opts: UpOptions) -> None:
 
 def _external_creds(settings: Settings) -> S3Credentials:
     if not (settings.s3_access_key and settings.s3_secret_key):
-        raise StackError(ExitCode.USAGE, "KVMESH_S3_ENDPOINT needs KVMESH_S3_ACCESS_KEY and KVMESH_S3_SECRET_KEY as well")
+        raise StackError(ExitCode.USAGE, "KVMESH_S3_ENDPOINT needs KVMESH_S3_ACCESS_KEY and KVMESH_S3_SECRET_KEY")
     return S3Credentials(access_key=settings.s3_access_key, secret_key=settings.s3_secret_key)
 
 
@@ -217,7 +219,7 @@ def _wait_ready(state: StackState, creds: S3Credentials, deadline: float) -> Non
         pending = [e for e in pending if not check_endpoint(e, creds).ready]
         if pending and time.monotonic() > deadline:
             names = ", ".join(e.name for e in pending)
-            raise StackError(ExitCode.START_FAILED, f"not ready before the deadline: {names} (logs in {state.state_dir})")
+            raise StackError(ExitCode.START_FAILED, f"not ready before the deadline: {names} (logs: {state.state_dir})")
         if pending:
             time.sleep(0.1)
 
