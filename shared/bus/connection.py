@@ -51,7 +51,8 @@ class _Hooks:
         log.warning("nats error", connection=self.name, error=repr(exc))
 
     async def on_disconnected(self) -> None:
-        log.warning("nats disconnected", connection=self.name)
+        closing = self.nc.is_closed or self.nc.is_draining
+        (log.info if closing else log.warning)("nats disconnected", connection=self.name)
 
     async def on_reconnected(self) -> None:
         log.info("nats reconnected", connection=self.name, server=self.server())

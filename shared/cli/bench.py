@@ -48,3 +48,15 @@ def tiers(
 
     result = run_tiers_bench(TierBenchConfig(blocks=blocks, restore_tokens=restore_tokens, restore=restore))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def bus(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    messages: Annotated[int, typer.Option(help="Messages per measurement.")] = 1000,
+) -> None:
+    """JetStream publish (sequential vs concurrent vs core NATS), consumer batch 1 vs 16, typed vs raw request."""
+    from bench.bus import BusBenchConfig, run_bus_bench
+
+    result = run_bus_bench(BusBenchConfig(messages=messages))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
