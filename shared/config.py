@@ -54,6 +54,12 @@ class TierSettings(BaseModel):
     l3_enabled: bool = True
     l3_chunk_tokens: int = 256
     l3_upload_queue_bytes: int = 256 * 1024**2
+    l2_eviction_policy: str = "lru"  # a name in shared/cache_policy/registry.py
+    l2_shared_memory: bool = True  # L2 blocks in POSIX shm segments: same-host peers map them
+    l3_ttl_s: int = 7 * 24 * 3600  # written to object metadata for the eviction service
+    l3_breaker_failures: int = 3  # consecutive S3 failures that open the circuit
+    l3_breaker_reset_s: float = 2.0  # open -> half-open probe after this long
+    peer_timeout_s: float = 2.0
 
 
 class ServiceSettings(BaseModel):

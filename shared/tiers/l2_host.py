@@ -2,8 +2,11 @@
 
 Blocks are kept encoded (the block format), so serving a peer or writing L3
 needs no re-encode, and every read is verified. Capacity is in bytes; when a
-put does not fit, the block with the lowest policy priority among the
-unpinned ones is evicted (any `EvictionPolicy`, see shared/cache_policy).
+put does not fit, the blocks with the lowest policy priority among the
+unpinned ones are evicted (any `EvictionPolicy`, see shared/cache_policy).
+Unlike `PolicyCache` (whole chains, capacity in blocks, leaf-first), L2
+takes single blocks whose parents may live in L1, so it counts bytes and
+evicts any unpinned block.
 Not thread-safe: one owner (the worker's event loop) calls it.
 """
 
@@ -13,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.cache_policy.base import BlockInfo, EvictionPolicy
+from shared.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
 from shared.engine.kv_block import KVBlock
 from shared.tiers.arena import Arena, HeapArena
 from shared.tiers.block_format import StoredBlock, checksum_of, decode_header, decode_or_miss, encode_kv_block
@@ -42,6 +45,8 @@ class HostTier:
         self.used_bytes = 0
         self._info: dict[bytes, BlockInfo] = {}
         self._checksums: dict[bytes, bytes] = {}
+        # Policies that keep history across evictions (TinyLFU ...) hear of every put and hit.
+        self._observe = policy.on_access if isinstance(policy, AccessObserver) else None
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._info
@@ -67,6 +72,8 @@ class HostTier:
             self._touch(key)
             return PutResult(True, [], handle)
         now = self.clock()
+        if self._observe is not None:
+            self._observe(key, now)
         parent = self._info.get(header.parent_hash) if header.parent_hash else None
         info = BlockInfo(block_hash=key, parent_hash=header.parent_hash, depth=parent.depth + 1 if parent else 0,
                          num_tokens=header.block_size, size_bytes=total, created_at=now, last_access=now)
@@ -133,6 +140,8 @@ class HostTier:
         info = self._info[key]
         info.last_access = self.clock()
         info.access_count += 1
+        if self._observe is not None:
+            self._observe(key, info.last_access)
 
     def _make_room(self, need: int, now: float) -> list[bytes] | None:
         """Evict lowest-priority unpinned blocks until `need` fits; None if pins prevent it."""

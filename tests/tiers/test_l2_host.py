@@ -101,3 +101,13 @@ def test_shared_memory_round_trip_across_processes(make_chain, fp) -> None:
     finally:
         tier.close()
 
+
+
+def test_history_policies_hear_every_access_and_admission_is_respected(make_chain, fp) -> None:
+    from shared.cache_policy.registry import get_policy
+
+    tier = HostTier(1 << 30, get_policy("tinylfu"), fp, clock=_Clock())
+    block = make_chain(1, seed=11)[0]
+    first = tier.put_block(block)  # TinyLFU admits only what it has seen before
+    second = tier.put_block(block)
+    assert not first.stored and second.stored and block.block_hash in tier

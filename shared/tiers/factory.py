@@ -1,0 +1,41 @@
+"""Build a worker's tiers from settings (the one place services wire them)."""
+
+from __future__ import annotations
+
+from shared.cache_policy.registry import get_policy
+from shared.config import Settings
+from shared.stack.credentials import read_credentials
+from shared.tiers.arena import HeapArena, ShmArena
+from shared.tiers.circuit_breaker import CircuitBreaker
+from shared.tiers.l2_host import HostTier
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import MissCounters
+from shared.tiers.s3_client import fast_fail_client
+
+
+def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counters: MissCounters) -> HostTier:
+    t = settings.tiers
+    arena = ShmArena(worker_id) if t.l2_shared_memory else HeapArena()
+    return HostTier(t.l2_capacity_bytes, get_policy(t.l2_eviction_policy), fingerprint, worker_id, arena, counters)
+
+
+def build_l3_store(settings: Settings, fingerprint: str, block_size: int, counters: MissCounters) -> L3Store | None:
+    """None when L3 is disabled or no credentials are known (the worker then recomputes)."""
+    t = settings.tiers
+    if not t.l3_enabled:
+        return None
+    creds = read_credentials(settings.state_dir.resolve())
+    access = settings.s3_access_key or (creds.access_key if creds else None)
+    secret = settings.s3_secret_key or (creds.secret_key if creds else None)
+    if not (access and secret):
+        return None
+    endpoint = settings.s3_endpoint or f"{settings.s3.host}:{settings.s3.port}"
+    return L3Store(
+        client=fast_fail_client(endpoint, access, secret, settings.s3_secure),
+        bucket=settings.s3.bucket,
+        fingerprint=fingerprint,
+        chunk_blocks=max(1, t.l3_chunk_tokens // block_size),
+        ttl_s=t.l3_ttl_s,
+        breaker=CircuitBreaker(t.l3_breaker_failures, t.l3_breaker_reset_s),
+        counters=counters,
+    )

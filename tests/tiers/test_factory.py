@@ -1,0 +1,30 @@
+"""Tiers built from settings: the shared-memory L2 and the breaker-guarded L3 a service would get."""
+
+from __future__ import annotations
+
+from shared.config import Settings
+from shared.tiers.arena import ShmArena
+from shared.tiers.block_format import encode_kv_block
+from shared.tiers.factory import build_host_tier, build_l3_store
+from shared.tiers.miss import MissCounters
+
+
+def test_build_from_settings(s3_server, make_chain, fp, tmp_path) -> None:
+    settings = Settings(state_dir=tmp_path, s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
+                        s3_secret_key=s3_server.secret_key, s3={"bucket": "kvmesh-factory"},
+                        tiers={"l3_breaker_failures": 5, "l3_chunk_tokens": 64})
+    counters = MissCounters()
+    l2 = build_host_tier(settings, fp, "w-factory", counters)
+    l3 = build_l3_store(settings, fp, block_size=16, counters=counters)
+    try:
+        assert isinstance(l2.arena, ShmArena) and l3.chunk_blocks == 4 and l3.breaker.failure_threshold == 5
+        blocks = make_chain(4)
+        l2.put_block(blocks[0])
+        assert l2.get(blocks[0].block_hash).header.block_hash == blocks[0].block_hash
+        l3.ensure_bucket()
+        l3.put_chain("ns", [encode_kv_block(b, fp) for b in blocks])
+        assert len(l3.load_prefix("ns", [b.block_hash for b in blocks])) == 4
+    finally:
+        l2.close()
+    assert build_l3_store(Settings(state_dir=tmp_path, tiers={"l3_enabled": False}), fp, 16, counters) is None
+    assert build_l3_store(Settings(state_dir=tmp_path), fp, 16, counters) is None  # no credentials: recompute
