@@ -1,0 +1,106 @@
+"""The serving messages: ingress -> prefill -> decode -> ingress.
+
+    ingress --PrefillJob--> kvmesh.jobs.prefill.<worker>      (JetStream, msg id = request_id:attempt)
+    prefill --TokenEvent(seq 0: first token)--> kvmesh.tokens.<request>
+    prefill --DecodeJob(handles + first token)--> kvmesh.handoff.<decode worker>
+    decode  --TokenEvent(seq 1..n)--> kvmesh.tokens.<request>
+    ingress --DecodeJob(migration: prompt + tokens so far)--> kvmesh.jobs.decode.<worker>
+
+`seq` numbers the generated tokens of a request from 0; the ingress drops
+what it has already seen, so a retried prefill or a migrated decode can
+resend tokens without the client seeing duplicates. Every handler is
+idempotent on (request_id, attempt).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+
+from shared.protocol.base import Message
+from shared.tiers.handle import BlockHandle
+
+if TYPE_CHECKING:  # the engine (torch) stays out of the ingress's imports
+    from shared.engine.sampling import SamplingParams
+
+
+class SamplingSpec(Message):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_params(self, max_tokens: int | None = None) -> SamplingParams:
+        from shared.engine.sampling import SamplingParams
+
+        return SamplingParams(
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CachePin(Message):
+    """Keep the prefix of the first `num_tokens` prompt tokens for `ttl_s` (cache_control, named caches)."""
+
+    num_tokens: int = Field(ge=0)
+    ttl_s: float = Field(gt=0.0)
+
+
+class PrefillJob(Message):
+    request_id: str = Field(min_length=1)
+    attempt: int = Field(default=0, ge=0)
+    session_id: str | None = None
+    tenant: str
+    tenant_salt: str  # hex; derived by the ingress from the authenticated tenant, never from the client
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling: SamplingSpec
+    decode_worker: str  # where the handoff goes
+    pins: list[CachePin] = Field(default_factory=list)
+    prefill_only: bool = False  # named-cache creation: compute, store (L2 + L3), report, no decode
+    deadline: float  # unix seconds; past it the job is dropped with a retriable error event
+
+
+class DecodeJob(Message):
+    """The prefill -> decode handoff, and the ingress's migration of a request to another decode worker."""
+
+    request_id: str = Field(min_length=1)
+    attempt: int = Field(default=0, ge=0)
+    session_id: str | None = None
+    tenant: str
+    tenant_salt: str
+    prompt_ids: list[int] = Field(min_length=1)  # the original prompt
+    generated: list[int] = Field(default_factory=list)  # tokens already delivered (first token, or all so far on migration)
+    sampling: SamplingSpec  # max_tokens counts from the original prompt, including `generated`
+    handles: list[BlockHandle] = Field(default_factory=list)  # full prompt blocks, in chain order
+    prompt_tokens: int = Field(ge=1)
+    cached_tokens: int = Field(default=0, ge=0)  # prompt tokens the prefill did not compute
+    deadline: float
+
+
+class TokenEvent(Message):
+    """One step of a request's output stream; `seq` of the first token in `token_ids`."""
+
+    request_id: str
+    attempt: int = 0
+    seq: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_created_tokens: int = 0  # prompt tokens newly written under a pin (cache_control / named cache)
+    worker_id: str = ""
+    error: str | None = None
+    retriable: bool = True
