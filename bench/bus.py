@@ -134,7 +134,7 @@ async def _request(nc, cfg: BusBenchConfig) -> dict:
 
     out = {"typed_rps": await _rate(cfg.messages, typed), "raw_rps": await _rate(cfg.messages, untyped)}
     out["ratio_typed_vs_raw"] = round(out["typed_rps"] / out["raw_rps"], 3)
-    await sub.unsubscribe()
+    await sub.drain()
     return out
 
 

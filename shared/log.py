@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 import structlog
 
+from shared.protocol import subjects
+
 # Loggers of libraries that are chatty at INFO; kept one level quieter than ours.
 _QUIET_LIBRARIES = ("uvicorn.access", "asyncio")
 
@@ -86,3 +88,19 @@ def bind_request(request_id: str | None = None, session_id: str | None = None, *
     values = {"request_id": request_id, "session_id": session_id, **fields}
     with structlog.contextvars.bound_contextvars(**{k: v for k, v in values.items() if v is not None}):
         yield
+
+
+# Log fields that travel with a message as headers, so the next service logs them too.
+_PROPAGATED = {"request_id": subjects.HDR_REQUEST_ID, "session_id": subjects.HDR_SESSION_ID}
+
+
+def propagation_headers() -> dict[str, str]:
+    """Headers for an outgoing message: the request/session ids bound in the current context."""
+    bound = structlog.contextvars.get_contextvars()
+    return {hdr: str(bound[field]) for field, hdr in _PROPAGATED.items() if bound.get(field)}
+
+
+def fields_from_headers(headers: dict[str, str] | None) -> dict[str, str]:
+    """The request/session ids an incoming message carries, as log fields (for `bind_request`)."""
+    headers = headers or {}
+    return {field: headers[hdr] for field, hdr in _PROPAGATED.items() if headers.get(hdr)}

@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 
 from shared.bus.publish import Publisher, PublishError
 from shared.config import BusSettings
-from shared.log import get_logger
+from shared.log import bind_request, fields_from_headers, get_logger
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.base import Message, ProtocolError
@@ -126,7 +126,7 @@ class ConsumerLoop:
                 continue
             for msg in msgs:
                 if self._stopping.is_set():
-                    await msg.nak()  # fetched while stopping: give it back for prompt redelivery
+                    await _quietly(msg.nak())  # fetched while stopping: give it back for prompt redelivery
                     continue
                 task = asyncio.create_task(self._guarded(msg))
                 self._inflight.add(task)
@@ -144,8 +144,10 @@ class ConsumerLoop:
             await asyncio.wait(left)
 
     async def _guarded(self, msg: Msg) -> None:
+        # The handler's logs (and what it publishes) carry the message's request/session ids.
         try:
-            await self._handle(msg)
+            with bind_request(**fields_from_headers(msg.headers), subject=msg.subject):
+                await self._handle(msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - settling failed (link down): the server redelivers

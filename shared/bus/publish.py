@@ -20,7 +20,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from shared.config import BusSettings
-from shared.log import get_logger
+from shared.log import get_logger, propagation_headers
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.base import Message
@@ -69,13 +69,15 @@ class Publisher:
     ) -> api.PubAck:
         """Store `payload` under `subject` once (dedup by `msg_id`); returns the stream's ack.
 
+        The request/session ids bound in the caller's log context ride along as headers.
+
         `msg_id` must be derived from the content's identity (request id + step,
         block hash ...), never random per attempt, or deduplication cannot work.
         """
         if not msg_id:
             raise ValueError("msg_id is required: it is what makes retries idempotent")
         data = payload.to_bytes() if isinstance(payload, Message) else bytes(payload)
-        hdrs = {**(headers or {}), subjects.HDR_MSG_ID: msg_id}
+        hdrs = {**propagation_headers(), **(headers or {}), subjects.HDR_MSG_ID: msg_id}
         s = self.settings
         deadline = time.monotonic() + s.publish_retry_total_s
         delay = s.publish_retry_min_s

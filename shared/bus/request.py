@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import nats.errors
@@ -18,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.log import get_logger
+from shared.log import bind_request, fields_from_headers, get_logger, propagation_headers
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.base import Message, ProtocolError
@@ -64,7 +65,7 @@ async def request(
 ) -> Rep:
     """Send `payload`, wait up to `timeout_s` for one reply, decode it as `reply_model`."""
     try:
-        msg = await nc.request(subject, payload.to_bytes(), timeout=timeout_s)
+        msg = await nc.request(subject, payload.to_bytes(), timeout=timeout_s, headers=propagation_headers() or None)
     except nats.errors.NoRespondersError as exc:
         _count(metrics, subject)
         raise NoResponders(subject) from exc
@@ -77,32 +78,59 @@ async def request(
     return reply_model.from_bytes(msg.data)
 
 
+@dataclass(slots=True)
+class Responder:
+    """A serving endpoint: up to `max_concurrent` handlers run at once; `drain()` finishes them."""
+
+    sub: Subscription
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def drain(self) -> None:
+        """Stop taking requests, answer the ones already received."""
+        await self.sub.drain()
+        if self.running:
+            await asyncio.wait(set(self.running))
+
+
 async def serve(
     nc: NATS,
     subject: str,
     request_model: type[Req],
     handler: Callable[[Req], Awaitable[Message]],
     queue: str,
-) -> Subscription:
-    """Answer requests on `subject` with `handler`, in queue group `queue`; unsubscribe (or drain) to stop.
+    max_concurrent: int = 64,
+) -> Responder:
+    """Answer requests on `subject` with `handler`, in queue group `queue`.
 
     A request that does not decode is answered with a non-retriable ErrorReply; a
-    handler exception with a retriable one. Replies go only where a reply is asked for.
+    handler exception with a retriable one. Handlers run concurrently (nats-py would
+    otherwise run one callback at a time per subscription), at most `max_concurrent`.
     """
+    slots = asyncio.Semaphore(max_concurrent)
 
-    async def on_msg(msg: Msg) -> None:
-        if not msg.reply:
-            return
+    async def answer(msg: Msg) -> None:
         try:
-            reply = await handler(request_model.from_bytes(msg.data))
-            await msg.respond(reply.to_bytes())
+            with bind_request(**fields_from_headers(msg.headers)):
+                reply = await handler(request_model.from_bytes(msg.data))
+                await msg.respond(reply.to_bytes())
         except ProtocolError as exc:
             await _respond_error(nc, msg, ErrorReply(error=str(exc), retriable=False))
         except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of a timeout
             log.warning("request handler failed", subject=subject, error=repr(exc))
             await _respond_error(nc, msg, ErrorReply(error=repr(exc), retriable=True))
+        finally:
+            slots.release()
 
-    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+    async def on_msg(msg: Msg) -> None:
+        if not msg.reply:
+            return
+        await slots.acquire()  # backpressure: the subscription's queue holds the rest
+        task = asyncio.create_task(answer(msg))
+        responder.running.add(task)
+        task.add_done_callback(responder.running.discard)
+
+    responder = Responder(await nc.subscribe(subject, queue=queue, cb=on_msg))
+    return responder
 
 
 async def _respond_error(nc: NATS, msg: Msg, reply: ErrorReply) -> None:

@@ -121,3 +121,5 @@ HDR_DLQ_STREAM = "Kvmesh-Dlq-Stream"
 HDR_DLQ_STREAM_SEQ = "Kvmesh-Dlq-Stream-Seq"
 HDR_DLQ_CONSUMER = "Kvmesh-Dlq-Consumer"
 HDR_REPLY_STATUS = "Kvmesh-Reply-Status"  # "error" when the body is an ErrorReply
+HDR_REQUEST_ID = "Kvmesh-Request-Id"  # carried across hops so every service logs the same request_id
+HDR_SESSION_ID = "Kvmesh-Session-Id"

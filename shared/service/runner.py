@@ -35,13 +35,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from shared.bus.connection import connect
 from shared.bus.consumer import ConsumerLoop, Handler
 from shared.bus.publish import Publisher
-from shared.bus.request import serve
+from shared.bus.request import Responder, serve
 from shared.config import Settings, load_settings
 from shared.log import configure_logging, get_logger
 from shared.metrics import ServiceMetrics
@@ -174,7 +173,7 @@ class ServiceRunner:
             await http.stop()
             self._started.set()  # never leave a waiter hanging on a failed start
 
-    async def _drain(self, nc: NATS, subs: list[Subscription], consumer_tasks: list[asyncio.Task[None]],
+    async def _drain(self, nc: NATS, subs: list[Responder], consumer_tasks: list[asyncio.Task[None]],
                      heartbeat: HeartbeatLoop) -> int:
         self._draining = True  # /readyz -> 503 first, so routers stop sending here
         ctx = self.ctx

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import structlog
 from nats.aio.msg import Msg
 
 from shared.bus.connection import connect
 from shared.bus.consumer import ConsumerLoop, PermanentError, typed
 from shared.bus.publish import Publisher
+from shared.log import bind_request
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.messages import ErrorReply
@@ -225,3 +227,23 @@ async def test_message_whose_last_attempt_died_is_dead_lettered_not_dropped(nats
     assert calls == []
     assert "no verdict after 1 deliveries" in dead.headers[subjects.HDR_DLQ_REASON]
     assert dead.headers[subjects.HDR_DLQ_DELIVERIES] == "2"
+
+
+async def test_request_id_travels_with_the_message(nats_server):
+    worker = unique("w")
+    spec = ConsumerSpec(JOBS.name, f"prefill-{worker}", subjects.jobs_prefill(worker), ack_wait_s=2.0)
+    seen: list[dict] = []
+
+    async def handle(msg: Msg) -> None:
+        seen.append(structlog.contextvars.get_contextvars())
+
+    async with connected(nats_server.url) as nc:
+        loop = _loop(nc, spec, handle)
+        task = asyncio.create_task(loop.run())
+        with bind_request(request_id="req-42", session_id="sess-1"):
+            await Publisher(nc.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
+        await eventually(lambda: len(seen) == 1, 5, "the handler to run")
+        loop.stop()
+        await asyncio.wait_for(task, 5)
+    assert seen[0]["request_id"] == "req-42" and seen[0]["session_id"] == "sess-1"
+    assert seen[0]["subject"] == spec.filter_subject
