@@ -146,6 +146,15 @@ def test_shape_mismatch_is_named(broken: Path) -> None:
         load_model(broken)
 
 
+def test_unexpected_tensor_is_named(broken: Path) -> None:
+    def add(tensors: dict) -> None:
+        tensors["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(176)
+
+    _rewrite_weights(broken, add)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.gate_proj\.bias'"):
+        load_model(broken)
+
+
 def test_missing_shard_is_named(tmp_path: Path) -> None:
     sharded = write_preset(tmp_path / "sharded", "tiny", "llama", seed=0, num_shards=2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
