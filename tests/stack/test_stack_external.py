@@ -1,14 +1,19 @@
-"""KVMESH_NATS_URL / KVMESH_S3_ENDPOINT: `up` uses those servers, starts none, and `down` leaves them running."""
+"""KVMESH_NATS_URL / KVMESH_S3_ENDPOINT: `up` uses those servers, starts none, and `down` leaves them running.
+
+The service here ignores SIGTERM, so `down` must escalate to SIGKILL after its grace period.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import nats
-from stack_harness import StackDir
+from stack_harness import StackDir, pids_for
 
 from shared.protocol.streams import ALL_STREAMS
+from shared.stack.procs import is_ours
 from shared.stack.servers import NatsServer, S3Server, pid_alive
 
 
@@ -25,7 +30,7 @@ def test_external_servers_are_used_not_started(
     stack.env.update(
         KVMESH_NATS_URL=nats_server.url, KVMESH_S3_ENDPOINT=s3_server.endpoint,
         KVMESH_S3_ACCESS_KEY=s3_server.access_key, KVMESH_S3_SECRET_KEY=s3_server.secret_key,
-        KVMESH_S3__BUCKET="kvmesh-stack-external",
+        KVMESH_S3__BUCKET="kvmesh-stack-external", STACKTEST_IGNORE_SIGTERM="1",
     )
     out = stack.up("--replicas", "echo=1", "--model", str(model_stub))
     assert out.returncode == 0, out.stderr
@@ -38,6 +43,10 @@ def test_external_servers_are_used_not_started(
     code, st = stack.status_json()
     assert code == 0 and st["ready"] and {e["name"] for e in st["endpoints"]} == {"nats", "s3", "echo-0"}
 
-    down = stack.cli("down")
+    echo = state.processes[0]
+    started = time.monotonic()
+    down = stack.cli("down", "--grace", "1")
     assert down.returncode == 0 and "stopped 1 processes" in down.stdout
+    assert time.monotonic() - started >= 1.0 and not is_ours(echo)  # waited out the grace, then SIGKILL
+    assert pids_for(stack.state_dir) == []
     assert pid_alive(nats_server.process.pid) and pid_alive(s3_server.process.pid)

@@ -3,7 +3,8 @@
 It reads its settings the way services do (shared.config), serves
 GET /readyz (200) and GET /settings (what it was told), and exits 0 on
 SIGTERM. STACKTEST_EXIT_AT_START=1 makes it fail at once (exit 3);
-STACKTEST_NEVER_READY=1 makes /readyz answer 503 forever.
+STACKTEST_NEVER_READY=1 makes /readyz answer 503 forever;
+STACKTEST_IGNORE_SIGTERM=1 makes it ignore SIGTERM (only SIGKILL ends it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def main() -> None:
             pass
 
     server = ThreadingHTTPServer((settings.service.http_host, settings.service.http_port), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    if os.environ.get("STACKTEST_IGNORE_SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     server.serve_forever()
     server.server_close()
 
