@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -60,7 +61,8 @@ async def run(blocks_n: int, concurrency: int, progress: Progress) -> dict:
     blocks = synthetic_chain(blocks_n, shape)
     hashes = [b.block_hash for b in blocks]
     owner = HostTier(1 << 40, LRUPolicy(), FP, "owner")
-    shm_owner = HostTier(1 << 40, LRUPolicy(), FP, "bench-owner", arena=ShmArena("bench-owner"))
+    shm_worker = f"bench-owner-{os.getpid()}"  # segment names are per machine: keep runs apart
+    shm_owner = HostTier(1 << 40, LRUPolicy(), FP, shm_worker, arena=ShmArena(shm_worker))
     task = progress.add_task("filling L2", total=2 * blocks_n)
     for b in blocks:
         owner.put_block(b)
@@ -102,7 +104,7 @@ async def run(blocks_n: int, concurrency: int, progress: Progress) -> dict:
 
     t0 = time.perf_counter()
     for h in hashes:  # another process would do exactly this: map by name, verify, view
-        decode_block(attach_segment("bench-owner", h), FP, h)
+        decode_block(attach_segment(shm_worker, h), FP, h)
     result["shm_attach"] = _rate(blocks_n, nbytes, time.perf_counter() - t0)
     shm_owner.close()
     owner.close()
