@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from shared.config import Settings
 from shared.tiers.arena import ShmArena
 from shared.tiers.block_format import encode_kv_block
@@ -14,7 +16,7 @@ def test_build_from_settings(s3_server, make_chain, fp, tmp_path) -> None:
                         s3_secret_key=s3_server.secret_key, s3={"bucket": "kvmesh-factory"},
                         tiers={"l3_breaker_failures": 5, "l3_chunk_tokens": 64})
     counters = MissCounters()
-    l2 = build_host_tier(settings, fp, "w-factory", counters)
+    l2 = build_host_tier(settings, fp, f"w-factory-{os.getpid()}", counters)
     l3 = build_l3_store(settings, fp, block_size=16, counters=counters)
     try:
         assert isinstance(l2.arena, ShmArena) and l3.chunk_blocks == 4 and l3.breaker.failure_threshold == 5

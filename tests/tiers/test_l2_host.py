@@ -81,23 +81,24 @@ print(float(block.data.double().sum()), block.header.token_ids[0])
 
 
 def test_shared_memory_round_trip_across_processes(make_chain, fp) -> None:
-    arena = ShmArena("w-shm-test")
-    tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id="w-shm-test", arena=arena)
+    worker = f"w-shm-test-{os.getpid()}"  # segment names are machine-wide
+    arena = ShmArena(worker)
+    tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=worker, arena=arena)
     try:
         block = make_chain(1, seed=3)[0]
         tier.put_block(block)
         same_proc = tier.get(block.block_hash)
         assert _same(same_proc.to_kv_block().data, block.data)
-        out = subprocess.run([sys.executable, "-c", _READER, "w-shm-test", block.block_hash.hex(), fp],
+        out = subprocess.run([sys.executable, "-c", _READER, worker, block.block_hash.hex(), fp],
                              capture_output=True, text=True, timeout=60, check=True).stdout.split()
         assert float(out[0]) == float(block.data.double().sum()) and int(out[1]) == block.token_ids[0]
         # A reader's writes stay private (copy-on-write): the owner's bytes do not change.
-        view = decode_block(attach_segment("w-shm-test", block.block_hash), fp)
+        view = decode_block(attach_segment(worker, block.block_hash), fp)
         view.data.zero_()
         assert _same(tier.get(block.block_hash).to_kv_block().data, block.data)
         tier.remove(block.block_hash)
-        assert attach_segment("w-shm-test", block.block_hash) is None  # unlinked on eviction
-        assert segment_name("w-shm-test", block.block_hash) not in os.listdir("/dev/shm")
+        assert attach_segment(worker, block.block_hash) is None  # unlinked on eviction
+        assert segment_name(worker, block.block_hash) not in os.listdir("/dev/shm")
     finally:
         tier.close()
 

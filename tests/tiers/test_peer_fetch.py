@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nats
 import torch
 from fastapi import FastAPI
@@ -74,23 +76,24 @@ async def test_shm_peer_then_network_fallback(nats_server, make_chain, fp) -> No
     from shared.tiers.arena import ShmArena
     from shared.tiers.peer_shm import ShmPeerClient
 
-    shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id="owner", arena=ShmArena("owner"))
-    net_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id="owner")
+    owner = f"owner-{os.getpid()}"  # segment names are machine-wide
+    shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner, arena=ShmArena(owner))
+    net_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner)
     blocks = make_chain(3)
     shm_tier.put_block(blocks[0])  # on this machine, in shared memory
     net_tier.put_block(blocks[1])  # only reachable over NATS
     nc = await nats.connect(nats_server.url)
-    server = NatsPeerServer(nc, net_tier, "owner")
+    server = NatsPeerServer(nc, net_tier, owner)
     net = NatsPeerClient(nc, fp, MissCounters(), timeout_s=2.0)
     await server.start()
     await net.start()
     try:
         local_only = ShmPeerClient(fp, MissCounters())
-        assert _same((await local_only.fetch("owner", blocks[0].block_hash)).to_kv_block().data, blocks[0].data)
-        assert (await local_only.fetch("owner", blocks[1].block_hash)).reason is MissReason.NOT_FOUND
+        assert _same((await local_only.fetch(owner, blocks[0].block_hash)).to_kv_block().data, blocks[0].data)
+        assert (await local_only.fetch(owner, blocks[1].block_hash)).reason is MissReason.NOT_FOUND
         both = ShmPeerClient(fp, MissCounters(), fallback=net)
-        assert _same((await both.fetch("owner", blocks[1].block_hash)).to_kv_block().data, blocks[1].data)
-        assert (await both.fetch("owner", blocks[2].block_hash)).reason is MissReason.NOT_FOUND
+        assert _same((await both.fetch(owner, blocks[1].block_hash)).to_kv_block().data, blocks[1].data)
+        assert (await both.fetch(owner, blocks[2].block_hash)).reason is MissReason.NOT_FOUND
     finally:
         shm_tier.close()
         await net.close()
