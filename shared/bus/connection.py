@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.client import Server
 
@@ -89,3 +90,22 @@ async def connect(url: str, name: str, settings: BusSettings | None = None) -> N
         raise ConnectionError(f"NATS at {url} did not answer within {settings.connect_retry_total_s:.0f}s") from None
     log.info("nats connected", connection=name, server=hooks.server())
     return nc
+
+
+async def close(nc: NATS, drain: bool = False) -> None:
+    """Drain (flush, finish subscriptions) or close `nc`; a link that is already gone is not an error here.
+
+    nats-py raises from close() when the socket died underneath (e.g. NATS is down at
+    shutdown); there is nothing left to flush then, so it is logged, not raised.
+    """
+    if nc.is_closed:
+        return
+    try:
+        await (nc.drain() if drain and nc.is_connected else nc.close())
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        log.warning("nats close on a broken link", error=repr(exc))
+        if not nc.is_closed:
+            try:
+                await nc.close()
+            except OSError:
+                pass

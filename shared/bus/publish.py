@@ -3,7 +3,7 @@
 Every publish carries `Nats-Msg-Id`, so a retry after a lost ack (or a
 handler run twice) is dropped by the stream's duplicate window instead of
 stored twice. Transient failures (timeout, no responders, 503 while a stream
-leader is elected, connection reconnecting) are retried with exponential
+leader is elected, connection lost or reconnecting) are retried with exponential
 backoff until `publish_retry_total_s` has passed; then the last error
 propagates. Permanent errors (a 400 such as a too-large message, or a
 closed connection) propagate at once.
@@ -36,6 +36,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
     nats.errors.OutboundBufferLimitError,
+    ConnectionError,  # the socket dropped under the request (server restart); nats-py reconnects
 )
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from shared.bus.connection import connect
+from shared.bus.connection import close, connect
 from shared.bus.consumer import ConsumerLoop, Handler
 from shared.bus.publish import Publisher
 from shared.bus.request import Responder, serve
@@ -168,8 +168,8 @@ class ServiceRunner:
         finally:
             for t in tasks:
                 t.cancel()
-            if nc is not None and not nc.is_closed:
-                await nc.close()
+            if nc is not None:
+                await close(nc)
             await http.stop()
             self._started.set()  # never leave a waiter hanging on a failed start
 
@@ -189,7 +189,7 @@ class ServiceRunner:
             await heartbeat.withdraw()
         except Exception as exc:  # noqa: BLE001 - the TTL removes it anyway
             log.warning("heartbeat withdraw failed", error=repr(exc))
-        await nc.drain()
+        await close(nc, drain=True)
         log.info("drained", worker_id=self.worker_id)
         return 0
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from nats.aio.client import Client as NATS
 
-from shared.bus.connection import connect
+from shared.bus.connection import close, connect
 from shared.config import BusSettings
 from shared.protocol.streams import declare_all
 
@@ -34,7 +34,7 @@ async def connected(url: str, name: str = "test") -> AsyncIterator[NATS]:
         await declare_all(nc.jetstream())
         yield nc
     finally:
-        await nc.close()
+        await close(nc)
 
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from shared.bus.connection import connect
-from shared.bus.publish import Publisher
+import pytest
+
+from shared.bus.connection import close, connect
+from shared.bus.publish import Publisher, PublishError
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.streams import KV_EVENTS, declare_all
@@ -61,3 +63,17 @@ async def test_publish_rides_out_nats_restart(fresh_nats_server):
         assert info.state.subjects == {subject: 2}  # persisted once, the earlier one survived the restart
     finally:
         await nc.close()
+
+
+async def test_publish_gives_up_after_its_budget(fresh_nats_server):
+    settings = FAST_BUS.model_copy(update={"publish_retry_total_s": 1.0, "publish_timeout_s": 0.3})
+    nc = await connect(fresh_nats_server.url, "gives-up", settings)
+    try:
+        await declare_all(nc.jetstream())
+        fresh_nats_server.stop()  # and never comes back
+        t0 = time.monotonic()
+        with pytest.raises(PublishError, match=r"publish to kvmesh\.kv\.events\.w1 \(msg id m-1\) failed after \d+ attempts"):
+            await Publisher(nc.jetstream(), settings).publish(subjects.kv_events("w1"), b"x", msg_id="m-1")
+        assert 0.9 < time.monotonic() - t0 < 3.0
+    finally:
+        await close(nc)
