@@ -137,5 +137,7 @@ def down(
     stopped = stack_down(target, settings.stack.stop_grace_s if grace is None else grace)
     if stopped is None:
         typer.echo(f"no kvmesh stack is running from {target}")
-        return
-    typer.echo(f"stopped {len(stopped.processes)} processes from {target}")
+    elif not stopped:
+        typer.echo(f"no kvmesh stack is running from {target} (removed a stale record of one)")
+    else:
+        typer.echo(f"stopped {len(stopped)} processes from {target}: {', '.join(stopped)}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from shared.config import Settings
 from shared.stack.credentials import S3Credentials, read_credentials
 from shared.stack.probe import EndpointStatus, check_endpoint
-from shared.stack.procs import ProcessStatus, launcher_alive, process_status, stop_in_order
+from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
 from shared.stack.servers import stop_pid
 from shared.stack.state import ProcessRecord, StackState, load_state, remove_state
 
@@ -51,8 +51,10 @@ def _s3_credentials(settings: Settings, state: StackState, state_dir: Path) -> S
     return None
 
 
-def stack_down(state_dir: Path, grace_s: float) -> StackState | None:
-    """Stop the recorded stack (services first) and remove its state file; None when none was recorded.
+def stack_down(state_dir: Path, grace_s: float) -> list[str] | None:
+    """Stop the recorded stack (services first), remove its state file, and name what was alive.
+
+    None when no stack was recorded; an empty list when the record was stale (nothing alive).
 
     A `kvmesh up` still holding the stack (foreground, or mid-start) is sent SIGTERM first, so it
     stops what it started itself and does not go on starting more.
@@ -61,11 +63,14 @@ def stack_down(state_dir: Path, grace_s: float) -> StackState | None:
     state = load_state(state_dir)
     if state is None:
         return None
+    alive = [r.name for r in state.processes if is_ours(r)]
     if launcher_alive(state) and state.launcher_pid != os.getpid():
         stop_pid(state.launcher_pid, grace_s * 3)  # its own teardown takes up to two grace periods
-    stop_in_order(state.processes + _recorded_since(state_dir), grace_s)
+    later = _recorded_since(state_dir)
+    alive += [r.name for r in later if r.name not in alive and is_ours(r)]
+    stop_in_order(state.processes + later, grace_s)
     remove_state(state_dir)
-    return state
+    return alive
 
 
 def _recorded_since(state_dir: Path) -> list[ProcessRecord]:

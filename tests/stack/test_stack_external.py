@@ -46,7 +46,7 @@ def test_external_servers_are_used_not_started(
     echo = state.processes[0]
     started = time.monotonic()
     down = stack.cli("down", "--grace", "1")
-    assert down.returncode == 0 and "stopped 1 processes" in down.stdout
+    assert down.returncode == 0 and "stopped 1 processes" in down.stdout and "echo-0" in down.stdout
     assert time.monotonic() - started >= 1.0 and not is_ours(echo)  # waited out the grace, then SIGKILL
     assert pids_for(stack.state_dir) == []
     assert pid_alive(nats_server.process.pid) and pid_alive(s3_server.process.pid)

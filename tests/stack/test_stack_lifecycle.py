@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import stat
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from shared.protocol.streams import ALL_STREAMS
 from shared.stack.credentials import read_credentials
 from shared.stack.procs import is_ours
 from shared.stack.servers import port_in_use
-from shared.stack.state import StackState
+from shared.stack.state import ProcessRecord, StackState, claim_state
 
 from stack_harness import StackDir, pids_for
 
@@ -125,3 +126,22 @@ def test_down_and_status_when_nothing_runs(stack: StackDir) -> None:
     assert down.returncode == 0 and "no kvmesh stack is running" in down.stdout
     code, st = stack.status_json()
     assert code == 1 and st == {**st, "running": False, "ready": False, "processes": [], "endpoints": []}
+
+
+def test_stale_record_is_cleared_by_down_and_ignored_by_up(stack: StackDir) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = StackState(state_dir=str(stack.state_dir.resolve()), launcher_pid=gone.pid, launcher_ticks=1,
+                       detached=True, processes=[ProcessRecord(name="nats", kind="server", pid=gone.pid,
+                                                               start_ticks=1, started_at=0, log="x")])
+    stack.state_dir.mkdir()
+    assert claim_state(stale)
+    code, st = stack.status_json()
+    assert code == 1 and not st["running"] and st["processes"][0]["alive"] is False
+    down = stack.cli("down")
+    assert down.returncode == 0 and "stale" in down.stdout and stack.state() is None
+    assert claim_state(stale)  # a stale record does not block `up` either
+    out = stack.up("--replicas", "echo=0", "--timeout", "30")
+    assert out.returncode == 0, out.stderr
+    assert stack.state().launcher_pid != gone.pid
+    assert stack.cli("down").returncode == 0 and pids_for(stack.state_dir) == []
