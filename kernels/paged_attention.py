@@ -32,67 +32,62 @@ def paged_attention(
         from kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, kv_layer, block_tables, query_lens, context_lens, scale)
-    out = torch.empty_like(q)
-    qlens = query_lens.tolist()
-    clens = context_lens.tolist()
-    starts = [0] * len(qlens)
-    for i in range(1, len(qlens)):
-        starts[i] = starts[i - 1] + qlens[i - 1]
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    if decode:
-        _decode(out, q, kv_layer, block_tables, decode, [starts[i] for i in decode], clens, scale)
-    for i, n in enumerate(qlens):
-        if n > 1:
-            _prefill(out, q, kv_layer, block_tables[i], starts[i], n, clens[i], scale)
-    return out
+    return _paged_attention_torch(q, kv_layer, block_tables, query_lens, context_lens, scale)
 
 
-def _decode(
-    out: torch.Tensor,
+def _paged_attention_torch(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
     block_tables: torch.Tensor,
-    seqs: list[int],
-    rows: list[int],
-    clens: list[int],
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
-) -> None:
-    """One batched SDPA for all single-token sequences, keys padded and masked."""
-    _, _, bs, hkv, d = kv_layer.shape
-    n, hq = len(seqs), q.shape[1]
-    ctx = [clens[i] for i in seqs]
-    nb = -(-max(ctx) // bs)
-    dev = q.device
-    bt = block_tables[torch.tensor(seqs, device=dev), :nb].long()
-    k = kv_layer[0][bt].view(n, nb * bs, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-    v = kv_layer[1][bt].view(n, nb * bs, hkv, d).transpose(1, 2)
-    row_idx = torch.tensor(rows, device=dev)
-    # GQA without expanding K/V: the G query heads of a kv head become G query rows.
-    qg = q[row_idx].view(n, hkv, hq // hkv, d)
-    valid = torch.arange(nb * bs, device=dev) < torch.tensor(ctx, device=dev).unsqueeze(1)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    out[row_idx] = o.reshape(n, hq, d)
+) -> torch.Tensor:
+    """One SDPA per sequence over its K/V, read in place where its blocks are consecutive.
+
+    Measured on CPU: per-sequence SDPA over zero-copy views beats one padded,
+    gathered batch even for decode at batch 8-64; fragmented tables gather
+    with index_select (the fastest gather measured).
+    """
+    out = torch.empty_like(q)
+    bs = kv_layer.shape[2]
+    first, consecutive = _block_runs(block_tables, context_lens, bs)
+    start = 0
+    for i, (qlen, ctx) in enumerate(zip(query_lens.tolist(), context_lens.tolist(), strict=True)):
+        if qlen:
+            nb = -(-ctx // bs)
+            if consecutive[i]:
+                kv = kv_layer[:, first[i] : first[i] + nb]
+            else:
+                kv = kv_layer.index_select(1, block_tables[i, :nb])
+            kv = kv.flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
+            out[start : start + qlen] = _attend(q[start : start + qlen], kv[0], kv[1], scale)
+        start += qlen
+    return out
 
 
-def _prefill(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    kv_layer: torch.Tensor,
-    table: torch.Tensor,
-    start: int,
-    qlen: int,
-    ctx: int,
-    scale: float,
-) -> None:
-    """SDPA for one multi-token sequence over its gathered, contiguous K/V."""
-    _, _, bs, hkv, d = kv_layer.shape
-    nb = -(-ctx // bs)
-    ids = table[:nb].long()
-    k = kv_layer[0][ids].view(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-    v = kv_layer[1][ids].view(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-    qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
+def _block_runs(block_tables: torch.Tensor, context_lens: torch.Tensor, bs: int) -> tuple[list[int], list[bool]]:
+    """Per sequence: its first block id, and whether all its blocks are consecutive ids."""
+    nbs = (context_lens.to(torch.int64) + bs - 1) // bs
+    steps = block_tables[:, 1:] - block_tables[:, :-1]
+    beyond = torch.arange(1, block_tables.shape[1], device=block_tables.device) >= nbs[:, None]
+    consecutive = ((steps == 1) | beyond).all(dim=1)
+    return block_tables[:, 0].tolist(), consecutive.tolist()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [qlen, Hq, D] of one sequence over its k/v [Hkv, ctx, D]; returns [qlen, Hq, D]."""
+    qlen, hq, d = q.shape
+    hkv, ctx = k.shape[0], k.shape[1]
+    if qlen == 1:
+        # Decode: the group's query heads become query rows of their kv head,
+        # so GQA needs neither a mask nor expanded K/V.
+        o = F.scaled_dot_product_attention(q.reshape(1, hkv, hq // hkv, d), k[None], v[None], scale=scale)
+        return o.reshape(1, hq, d)
     # Causal aligned bottom-right (query j sees keys 0 .. ctx - qlen + j); with no
     # cached prefix this is plain is_causal and takes SDPA's causal fast path.
     mask = causal_lower_right(qlen, ctx)
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[start : start + qlen] = o[0].transpose(0, 1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o[0].transpose(0, 1)

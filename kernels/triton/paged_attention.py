@@ -71,9 +71,12 @@ def _paged_attention_kernel(
         kv_off = n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         for b in range(0, num_blocks):
             bid = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
-            k = tl.load(k_ptr + bid * stride_kb + kv_off, mask=dm[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             kpos = b * BLOCK_N + n
+            # Slots past the context may hold anything (NaN included): never load them,
+            # since a masked score still multiplies its V row by zero.
+            kv_mask = (kpos < ctx)[:, None] & dm[None, :]
+            k = tl.load(k_ptr + bid * stride_kb + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             # Key 0 is visible to every row, so each row's running max is finite
             # after block 0 and fully masked later blocks add exact zeros.
             visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx)
@@ -82,7 +85,7 @@ def _paged_attention_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + bid * stride_kb + kv_off, mask=dm[None, :], other=0.0)
+            v = tl.load(v_ptr + bid * stride_kb + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]

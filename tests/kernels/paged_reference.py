@@ -34,13 +34,21 @@ def make_case(
     block_size: int,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    consecutive: bool = False,
 ) -> PagedCase:
-    """Random q/K/V; blocks handed out from a shuffled pool (non-contiguous tables)."""
+    """Random q/K/V; blocks from a shuffled pool, or runs of consecutive ids.
+
+    Shuffled tables are fragmented; ``consecutive`` gives each sequence one
+    run of consecutive block ids at a random place in the pool.
+    """
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(c / block_size) for _, c in seqs]
-    num_blocks = sum(need) + 3  # spare blocks hold garbage the kernels must not read
+    num_blocks = sum(need) + 3  # spare blocks the kernels must not read
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    kv_layer = torch.randn(2, num_blocks, block_size, hkv, d, generator=g, dtype=dtype) * 100
+    if consecutive:  # runs in order, from an offset so block 0 is not the first
+        perm = list(range(num_blocks - 1, 2, -1)) + [0, 1, 2]
+    # Every slot outside a sequence's context holds NaN: reading one poisons the output.
+    kv_layer = torch.full((2, num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
     max_blocks = max(need) + 1
     tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
     keys, values, slots, qs = [], [], [], []

@@ -19,13 +19,21 @@ def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 1, 32, 16), (8, 2, 64, 32), (4, 4, 32, 16)])
-def test_paged_attention_matches_dense_mixed_batch(hq: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 1, 32, 16), (8, 2, 64, 32), (4, 4, 32, 16), (12, 4, 16, 16)])
+def test_paged_attention_matches_dense_mixed_batch(hq: int, hkv: int, d: int, bs: int, consecutive: bool) -> None:
     seqs = [(1, 1), (5, 5), (1, bs), (1, bs + 1), (7, 2 * bs + 3), (bs, 3 * bs), (1, 37), (3, bs + 1)]
-    case = make_case(seqs, hq, hkv, d, bs, seed=hq + d)
+    case = make_case(seqs, hq, hkv, d, bs, seed=hq + d, consecutive=consecutive)
+    runs = [_is_one_run(case.block_tables[i], c, bs) for i, (_, c) in enumerate(seqs) if c > bs]
+    assert all(runs) if consecutive else not any(runs)  # both torch branches: views and gathers
     scale = d**-0.5
     got = paged_attention(case.q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, scale)
     torch.testing.assert_close(got, dense_attention(case, scale), atol=1e-5, rtol=1e-5)
+
+
+def _is_one_run(table: torch.Tensor, ctx: int, bs: int) -> bool:
+    ids = table[: -(-ctx // bs)].tolist()
+    return ids == list(range(ids[0], ids[0] + len(ids)))
 
 
 def test_rope_matches_hf_formula_bitwise() -> None:

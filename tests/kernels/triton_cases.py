@@ -26,7 +26,9 @@ from kernels.kv_write import write_kv  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.rope import apply_rope  # noqa: E402
 
-HEADS = [(4, 1, 32, 16), (8, 2, 64, 32), (4, 4, 32, 16), (2, 1, 48, 16)]  # (Hq, Hkv, D, block_size)
+# (Hq, Hkv, D, block_size): GQA 4:1 and 4:2, MHA, a group of 3 with a non power-of-two
+# head_dim, and the tiny preset's head_dim 16.
+HEADS = [(4, 1, 32, 16), (8, 2, 64, 32), (4, 4, 32, 16), (6, 2, 48, 16), (4, 2, 16, 16)]
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, fn, *args):
@@ -56,11 +58,13 @@ def test_interpreter_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not use_triton(cpu)  # auto: Triton only for CUDA tensors
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), HEADS)
-def test_paged_attention_mixed_batch(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "consecutive"), [(*h, False) for h in HEADS] + [(*HEADS[1], True)])
+def test_paged_attention_mixed_batch(
+    monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, d: int, bs: int, consecutive: bool
+) -> None:
     # decode at 1 / on / just past a block boundary, prefill without and with a prefix, chunked prefill
     seqs = [(1, 1), (5, 5), (1, bs), (1, bs + 1), (7, 2 * bs + 3), (bs, 3 * bs), (bs + 1, bs + 1), (3, bs + 1)]
-    case = make_case(seqs, hq, hkv, d, bs, seed=d + hq)
+    case = make_case(seqs, hq, hkv, d, bs, seed=d + hq, consecutive=consecutive)
     scale = d**-0.5
     tri, ref_torch = _both(monkeypatch, *_attention(case, scale))
     torch.testing.assert_close(tri, dense_attention(case, scale), atol=1e-5, rtol=1e-5)
@@ -113,7 +117,7 @@ def test_paged_attention_random_batches(data: st.DataObject, heads: tuple[int, i
     torch.testing.assert_close(tri, ref_torch, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(7, 4, 1, 32), (5, 8, 2, 64), (1, 2, 2, 32), (3, 3, 1, 48)])
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(7, 4, 1, 32), (5, 8, 2, 64), (1, 2, 2, 32), (3, 3, 1, 48), (4, 4, 2, 16)])
 def test_rope(monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int) -> None:
     cos, sin = rope_tables(300, d)
     g = torch.Generator().manual_seed(t)
