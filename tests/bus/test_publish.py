@@ -74,6 +74,6 @@ async def test_publish_gives_up_after_its_budget(fresh_nats_server):
         t0 = time.monotonic()
         with pytest.raises(PublishError, match=r"publish to kvmesh\.kv\.events\.w1 \(msg id m-1\) failed after \d+ attempts"):
             await Publisher(nc.jetstream(), settings).publish(subjects.kv_events("w1"), b"x", msg_id="m-1")
-        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert 0.9 < time.monotonic() - t0 < 5.0
     finally:
         await close(nc)
