@@ -112,7 +112,7 @@ def status(
     if as_json:
         typer.echo(json.dumps(st.to_json(), indent=2))
     else:
-        word = "ready" if st.ready else ("degraded" if st.running else "not running")
+        word = "ready" if st.ready else "starting" if st.starting else "degraded" if st.running else "not running"
         typer.echo(f"kvmesh stack ({st.state_dir}): {word}")
         for p in st.processes:
             typer.echo(f"  {p.name:<14} pid {p.pid:<8} {'alive' if p.alive else 'DEAD ':<6}"

@@ -26,10 +26,13 @@ class EndpointStatus:
     ready: bool
 
 
+DEFAULT_PORTS = {"nats": 4222, "tls": 4222, "http": 80, "https": 443}
+
+
 def host_port(url: str, default_port: int) -> tuple[str, int]:
-    """host and port of 'scheme://host:port/...' or of a bare 'host:port'."""
+    """host and port of 'scheme://host:port/...' (port defaults by scheme) or of a bare 'host:port'."""
     parts = urlsplit(url if "://" in url else f"tcp://{url}")
-    return parts.hostname or "127.0.0.1", parts.port or default_port
+    return parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORTS.get(parts.scheme, default_port)
 
 
 def tcp_reachable(host: str, port: int) -> bool:

@@ -19,6 +19,7 @@ class StackStatus:
     state_dir: str
     running: bool  # a state file exists and at least one recorded process is alive
     ready: bool  # every process alive and every endpoint ready
+    starting: bool = False  # `kvmesh up` has not finished its readiness wait yet
     processes: list[ProcessStatus] = field(default_factory=list)
     endpoints: list[EndpointStatus] = field(default_factory=list)
 
@@ -40,7 +41,8 @@ def stack_status(settings: Settings, state_dir: Path) -> StackStatus:
     endpoints = [check_endpoint(e, creds) for e in state.endpoints]
     running = any(p.alive for p in procs) or (not procs and all(e.reachable for e in endpoints))
     ready = all(p.alive for p in procs) and all(e.ready for e in endpoints) and state.ready_at is not None
-    return StackStatus(str(state_dir), running, ready, procs, endpoints)
+    starting = state.ready_at is None and launcher_alive(state)
+    return StackStatus(str(state_dir), running, ready, starting, procs, endpoints)
 
 
 def _s3_credentials(settings: Settings, state: StackState, state_dir: Path) -> S3Credentials | None:

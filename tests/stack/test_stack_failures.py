@@ -106,6 +106,8 @@ def test_interrupt_during_start_stops_everything(stack: StackDir, model_stub: Pa
     while time.monotonic() < end and not any(r.name == "echo-0" for r in stack.seen.values()):
         stack.remember()
         time.sleep(0.05)
+    code, st = stack.status_json()
+    assert code == 1 and st["starting"] and not st["ready"]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == ExitCode.START_FAILED and "interrupted" in err and "Traceback" not in err, err

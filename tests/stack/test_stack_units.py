@@ -12,6 +12,7 @@ from stack_harness import SVC_PACKAGE, SVC_PATH
 from shared.stack.credentials import load_or_create_credentials
 from shared.stack.errors import ExitCode, StackError
 from shared.stack.model import resolve_model_dir
+from shared.stack.probe import host_port
 from shared.stack.services import build_specs, discover_services
 from shared.stack.state import StackState, claim_state, load_state, remove_state
 
@@ -70,3 +71,9 @@ def test_explicit_model_dir_must_be_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(StackError) as err:
         resolve_model_dir(tmp_path, tmp_path, needed=True)
     assert err.value.code == ExitCode.USAGE and "config.json" in err.value.message
+
+
+@pytest.mark.parametrize("url, port", [("nats://h", 4222), ("nats://h:5", 5), ("https://h", 443), ("h:9000", 9000),
+                                       ("http://h:8/readyz", 8)])
+def test_host_port_defaults_by_scheme(url: str, port: int) -> None:
+    assert host_port(url, 80) == ("h", port)
