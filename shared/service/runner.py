@@ -10,7 +10,10 @@ Contract with the stack launcher (`kvmesh up`):
 - started as `python -m services.<name>`; all settings come from KVMESH_*
   env vars (`shared.config.Settings`), in particular `KVMESH_NATS_URL`,
   `KVMESH_SERVICE__HTTP_PORT` (0 = any free port) and
-  `KVMESH_SERVICE__WORKER_ID` (default `<name>-<pid>`); `KVMESH_LOG_LEVEL`.
+  `KVMESH_SERVICE__WORKER_ID` (default `<name>-<pid>`; letters, digits, '-'
+  and '_' only: it becomes part of subjects and KV keys); `KVMESH_LOG_LEVEL`.
+  NATS may still be starting: the first connect is retried for
+  `bus.connect_retry_total_s` (30 s) before the process exits 1.
 - the launcher runs `shared.protocol.streams.declare_all` before starting
   services; the runner does not declare shared streams, only its own
   per-worker consumers.
@@ -19,7 +22,8 @@ Contract with the stack launcher (`kvmesh up`):
   failing checks before that and while draining); `/healthz` 200 while the
   process lives; `/metrics` Prometheus text (kvmesh_* names).
 - logs are JSON lines on stderr, one startup line `service ready` carries
-  `http_endpoint` and `worker_id`.
+  `http_endpoint` and `worker_id`; the worker's `Heartbeat` (role, load,
+  capacity, http endpoint) is in the `workers` KV bucket under its id.
 - SIGTERM or SIGINT: readiness goes false, consumers stop fetching,
   in-flight handlers finish (up to `service.drain_timeout_s`), request
   endpoints drain, the heartbeat entry is withdrawn, the NATS connection is
@@ -44,6 +48,7 @@ from shared.bus.request import Responder, serve
 from shared.config import Settings, load_settings
 from shared.log import configure_logging, get_logger
 from shared.metrics import ServiceMetrics
+from shared.protocol import subjects
 from shared.protocol.base import Message
 from shared.protocol.messages import Role
 from shared.protocol.streams import ConsumerSpec
@@ -105,7 +110,7 @@ class ServiceRunner:
     def __init__(self, name: str, role: Role, setup: Setup, settings: Settings | None = None) -> None:
         self.name, self.role, self._setup = name, role, setup
         self.settings = settings or load_settings()
-        self.worker_id = self.settings.service.worker_id or f"{name}-{os.getpid()}"
+        self.worker_id = subjects.token(self.settings.service.worker_id or f"{name}-{os.getpid()}")
         self.metrics = ServiceMetrics.create(name)
         self.ctx: ServiceContext | None = None
         self.http_endpoint = ""
@@ -196,11 +201,9 @@ class ServiceRunner:
 
 def run_service(name: str, role: Role, setup: Setup, settings: Settings | None = None) -> int:
     """Process entry point: configure logging, run the service, return the exit code."""
-    settings = settings or load_settings()
-    worker_id = settings.service.worker_id or f"{name}-{os.getpid()}"
-    settings.service.worker_id = worker_id
-    configure_logging(settings.log_level, service=name, worker_id=worker_id)
-    return asyncio.run(ServiceRunner(name, role, setup, settings).run())
+    runner = ServiceRunner(name, role, setup, settings)
+    configure_logging(runner.settings.log_level, service=name, worker_id=runner.worker_id)
+    return asyncio.run(runner.run())
 
 
 def _safe(check: Callable[[], bool]) -> bool:

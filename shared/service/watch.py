@@ -26,6 +26,7 @@ log = get_logger(__name__)
 class Change(StrEnum):
     UP = "up"
     DOWN = "down"
+    UPDATE = "update"  # a new heartbeat of a worker already up (only with updates=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +36,11 @@ class WorkerChange:
     heartbeat: Heartbeat | None  # the latest one seen (None if the worker was never seen up)
 
 
-async def watch_workers(js: JetStreamContext) -> AsyncIterator[WorkerChange]:
-    """Yield changes forever, starting with an UP for every worker alive now; close the generator to stop."""
+async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIterator[WorkerChange]:
+    """Yield changes forever, starting with an UP for every worker alive now; close the generator to stop.
+
+    `updates=True` also yields UPDATE for every later heartbeat (load-aware routing reads them).
+    """
     kv = await js.key_value(subjects.WORKERS_BUCKET)
     watcher = await kv.watchall()
     alive: dict[str, Heartbeat] = {}
@@ -61,6 +65,8 @@ async def watch_workers(js: JetStreamContext) -> AsyncIterator[WorkerChange]:
                 yield WorkerChange(Change.UP, entry.key, hb)
             elif prev is None:
                 yield WorkerChange(Change.UP, entry.key, hb)
+            elif updates:
+                yield WorkerChange(Change.UPDATE, entry.key, hb)
     finally:
         await watcher.stop()
 
