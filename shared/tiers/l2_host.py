@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from shared.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
 from shared.engine.kv_block import KVBlock
 from shared.tiers.arena import Arena, HeapArena
-from shared.tiers.block_format import StoredBlock, checksum_of, decode_header, decode_or_miss, encode_kv_block
+from shared.tiers.block_format import (
+    BlockHeader,
+    StoredBlock,
+    checksum_of,
+    decode_header,
+    decode_or_miss,
+    encode_kv_block,
+    header_for,
+)
 from shared.tiers.handle import BlockHandle
 from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
 
@@ -55,7 +63,9 @@ class HostTier:
         return len(self._info)
 
     def put_block(self, block: KVBlock) -> PutResult:
-        return self.put_encoded(encode_kv_block(block, self.fingerprint))
+        """Encode and store an engine block (no re-verification: we just wrote the checksum)."""
+        encoded = encode_kv_block(block, self.fingerprint)
+        return self._insert(header_for(block, self.fingerprint), encoded, len(encoded))
 
     def put_encoded(self, encoded) -> PutResult:
         """Store an encoded block (verified first: L2 never holds bytes it could not serve).
@@ -65,6 +75,9 @@ class HostTier:
         header, _, total = decode_header(encoded)
         if header.fingerprint != self.fingerprint:
             raise ValueError(f"fingerprint mismatch: block {header.fingerprint[:12]}.. vs tier {self.fingerprint[:12]}..")
+        return self._insert(header, encoded, total)
+
+    def _insert(self, header: BlockHeader, encoded, total: int) -> PutResult:
         key = header.block_hash
         checksum = checksum_of(memoryview(encoded)[:total])
         handle = self._handle(key, total, checksum)
