@@ -90,6 +90,14 @@ class BusSettings(BaseModel):
     fetch_timeout_s: float = 1.0
 
 
+class WorkerSettings(BaseModel):
+    """The prefill and decode workers (shared/serving)."""
+
+    probe_peers: bool = True  # prefill looks for missing prefix blocks in same-host peers' shared-memory L2
+    l3_wait_s: float = 30.0  # a named cache (prefill_only) waits this long for its L3 write
+    remember_finished: int = 4096  # (request, attempt) pairs kept to ack redeliveries without re-running
+
+
 class StackSettings(BaseModel):
     """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
 
@@ -97,6 +105,25 @@ class StackSettings(BaseModel):
     services_package: str = "services"  # every <package>.<name> with a __main__ is a service
     ready_timeout_s: float = 60.0
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
+
+
+class IngressSettings(BaseModel):
+    """The HTTP front door: where it listens, its limits, and how it supervises a request's hops."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    keys_file: Path | None = None  # lines `key:tenant`; default <state_dir>/api_keys when KVMESH_API_KEYS is unset
+    model_id: str = ""  # the id clients name; default: the model dir's name
+    max_body_bytes: int = 4 * 1024 * 1024
+    rate_limit_per_s: float = 20.0  # per API key, token bucket refill
+    rate_limit_burst: float = 40.0
+    max_in_flight: int = 256  # requests streaming at once; beyond: overload (503 / 529)
+    worker_overload_factor: float = 2.0  # affinity is abandoned once a worker's load exceeds this x capacity
+    first_token_timeout_s: float = 60.0  # PrefillJob published -> seq 0 arrives
+    inter_token_timeout_s: float = 30.0  # silence between two token events mid-stream
+    max_attempts: int = 3  # prefill retries + decode migrations per request
+    request_deadline_s: float = 600.0
+    assistant_memory: int = 4096  # per tenant: assistant texts whose generated ids are spliced back into prompts
 
 
 class Settings(BaseSettings):
@@ -116,6 +143,8 @@ class Settings(BaseSettings):
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     s3_secure: bool = False
+    audit_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # share of cache-hit requests recomputed cold and compared
+    api_keys: str | None = None  # `key:tenant,key:tenant`; unset: the ingress keys file
 
     nats: NatsSettings = Field(default_factory=NatsSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
@@ -124,6 +153,8 @@ class Settings(BaseSettings):
     service: ServiceSettings = Field(default_factory=ServiceSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
+    workers: WorkerSettings = Field(default_factory=WorkerSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

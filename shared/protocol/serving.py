@@ -5,6 +5,7 @@
     prefill --DecodeJob(handles + first token)--> kvmesh.handoff.<decode worker>
     decode  --TokenEvent(seq 1..n)--> kvmesh.tokens.<request>
     ingress --DecodeJob(migration: prompt + tokens so far)--> kvmesh.jobs.decode.<worker>
+    ingress --AbortRequest (client gone)--> kvmesh.abort.<worker>   (core NATS, best effort)
 
 `seq` numbers the generated tokens of a request from 0; the ingress drops
 what it has already seen, so a retried prefill or a migrated decode can
@@ -104,3 +105,10 @@ class TokenEvent(Message):
     worker_id: str = ""
     error: str | None = None
     retriable: bool = True
+
+
+class AbortRequest(Message):
+    """Stop `request_id` (all attempts): the client went away; free its sequence and publish nothing more."""
+
+    request_id: str = Field(min_length=1)
+    reason: str = "client disconnected"

@@ -6,6 +6,7 @@ Layout (`<x>` is one token: no dots, spaces or wildcards):
     kvmesh.jobs.decode.<worker>|any     ingress -> decode         (stream JOBS, work queue)
     kvmesh.handoff.<decode worker>      prefill -> decode: KV block handles + first token (stream HANDOFF)
     kvmesh.tokens.<request>             decode -> ingress: streamed tokens (stream TOKENS)
+    kvmesh.abort.<worker>               ingress -> prefill/decode: stop a request (core NATS, AbortRequest)
     kvmesh.kv.events.<worker>           any worker -> cache-index: BlockStored/BlockRemoved/... (stream KV_EVENTS)
     kvmesh.cmd.<worker>                 eviction / ops -> a worker: demote, delete, drain (stream COMMANDS)
     kvmesh.load.<worker>                worker load reports for eviction and routing (core NATS)
@@ -64,6 +65,15 @@ TOKENS_ALL = f"{ROOT}.tokens.>"
 
 def tokens(request_id: str) -> str:
     return f"{ROOT}.tokens.{token(request_id)}"
+
+
+# Aborts: ingress -> the worker running a request (client gone). Core NATS: an abort is best effort,
+# a lost one only means the worker finishes a request nobody reads (bounded by max_tokens and deadline).
+ABORT_ALL = f"{ROOT}.abort.>"
+
+
+def abort(worker_id: str) -> str:
+    return f"{ROOT}.abort.{token(worker_id)}"
 
 
 # KV cache events (stored / removed / cleared) feeding the cache index.

@@ -1,0 +1,116 @@
+"""The dialect-independent core of the ingress: a validated request in, an ordered token stream out.
+
+A dialect module (OpenAI, Anthropic) authenticates, validates and builds a
+`GenerationRequest` (prompt ids, sampling, pins), then either iterates
+`Gateway.stream(req)` (SSE) or awaits `Gateway.complete(req)`. The stream
+yields `TokenEvent`s in seq order without duplicates, each holding only
+tokens the caller has not seen; the last has `finished=True`. Failures that
+supervision cannot repair raise `GatewayError` (never a silent short stream).
+Leaving the iteration early (client gone) aborts the request on its worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+
+from shared.bus.publish import Publisher
+from shared.config import IngressSettings
+from shared.ingress.errors import ErrorKind
+from shared.ingress.router import Router, WorkerTable
+from shared.protocol.messages import Role
+from shared.protocol.serving import CachePin, SamplingSpec, TokenEvent
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What a dialect hands the gateway after auth and validation; nothing here comes unchecked from a client."""
+
+    request_id: str  # a subject token: letters, digits, '-', '_'
+    tenant: str
+    tenant_salt: str  # hex, from auth.KeyRing
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    session_id: str | None = None
+    affinity_key: str | None = None  # prompt_cache_key, else session id: routes to the same workers
+    pins: list[CachePin] = field(default_factory=list)
+    prefill_only: bool = False  # named-cache creation: store the prompt's blocks, generate nothing
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole response (non-streaming): the concatenated stream and its usage."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    cache_created_tokens: int
+
+
+class GatewayError(Exception):
+    """The request cannot finish; `kind` picks the dialect's status, `retriable` tells the client to retry."""
+
+    def __init__(self, kind: ErrorKind, message: str, retriable: bool = True) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.retriable = kind, message, retriable
+
+
+@dataclass(slots=True)
+class Usage:
+    """Usage as the first event of a request reports it (prefill knows the prompt and its cache hit)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_created_tokens: int = 0
+
+    def take(self, event: TokenEvent) -> None:
+        if event.prompt_tokens and not self.prompt_tokens:
+            self.prompt_tokens = event.prompt_tokens
+            self.cached_tokens = event.cached_tokens
+        self.cache_created_tokens = max(self.cache_created_tokens, event.cache_created_tokens)
+
+
+class Gateway:
+    """Runs requests over the bus; one per ingress process."""
+
+    def __init__(self, nc: NATS, publisher: Publisher, table: WorkerTable, settings: IngressSettings,
+                 detokenize: Callable[[Sequence[int]], str]) -> None:
+        self.nc, self.publisher, self.table, self.settings = nc, publisher, table, settings
+        self.router = Router(table, settings.worker_overload_factor)
+        self.detokenize = detokenize  # text of a partly duplicated event's new tokens
+        self.in_flight = 0
+
+    def ready(self) -> bool:
+        return self.nc.is_connected and bool(self.table.live(Role.PREFILL)) and bool(self.table.live(Role.DECODE))
+
+    async def stream(self, req: GenerationRequest, usage: Usage | None = None) -> AsyncIterator[TokenEvent]:
+        """Ordered, deduplicated events of `req`; `usage` (if given) is filled as they arrive."""
+        from shared.ingress.supervisor import RequestRun  # one module per concept; no import cycle at load
+
+        if self.in_flight >= self.settings.max_in_flight:
+            raise GatewayError(ErrorKind.OVERLOADED, f"too many requests in flight ({self.in_flight})")
+        run = RequestRun(self, req, usage if usage is not None else Usage())
+        self.in_flight += 1
+        try:
+            async for event in run.events():
+                yield event
+        finally:
+            self.in_flight -= 1
+            await run.close()
+
+    async def complete(self, req: GenerationRequest) -> Completion:
+        usage = Usage()
+        ids: list[int] = []
+        text: list[str] = []
+        finish = "stop"
+        async for event in self.stream(req, usage):
+            ids += event.token_ids
+            text.append(event.text)
+            if event.finished:
+                finish = event.finish_reason or "stop"
+        return Completion(ids, "".join(text), finish, usage.prompt_tokens, usage.cached_tokens,
+                          usage.cache_created_tokens)

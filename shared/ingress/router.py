@@ -1,0 +1,128 @@
+"""Which worker gets a request: least loaded, with affinity by cache key or session.
+
+`WorkerTable` mirrors the `workers` heartbeat bucket (via `watch_workers`)
+and adds the ingress's own in-flight count per worker, which moves at once
+while heartbeats lag by an interval. `Router.pick` scores a worker as
+(heartbeat load + own in-flight) / capacity. With an affinity key it takes
+the rendezvous-hash winner among live workers, so the same conversation
+lands where its KV cache is and only keys of a departed worker move, unless
+that worker is overloaded (score above `overload_factor`): then it falls
+back to the least loaded, a guard against piling one hot key onto one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+
+from shared.log import get_logger
+from shared.protocol.messages import Heartbeat, Role
+from shared.service.watch import Change, WorkerChange, watch_workers
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    heartbeat: Heartbeat
+    in_flight: int = 0  # requests this ingress has on the worker now
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when its heartbeat is withdrawn or expires
+
+    def score(self) -> float:
+        return (self.heartbeat.load + self.in_flight) / max(self.heartbeat.capacity, 1.0)
+
+
+class WorkerTable:
+    """Live workers by id; fed by `run(js)` (or `apply` in tests)."""
+
+    __slots__ = ("_workers", "_changed")
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerView] = {}
+        self._changed = asyncio.Event()
+
+    def apply(self, change: WorkerChange) -> None:
+        if change.change is Change.DOWN:
+            view = self._workers.pop(change.worker_id, None)
+            if view is not None:
+                view.gone.set()
+                log.info("worker down", worker=change.worker_id, role=view.heartbeat.role)
+        elif change.heartbeat is not None:
+            view = self._workers.get(change.worker_id)
+            if view is None:
+                self._workers[change.worker_id] = WorkerView(change.heartbeat)
+                log.info("worker up", worker=change.worker_id, role=change.heartbeat.role)
+            else:
+                view.heartbeat = change.heartbeat
+        self._changed.set()
+
+    async def run(self, js: JetStreamContext) -> None:
+        """Follow the bucket until cancelled."""
+        async for change in watch_workers(js, updates=True):
+            self.apply(change)
+
+    def live(self, role: Role) -> list[str]:
+        return sorted(w for w, v in self._workers.items() if v.heartbeat.role == role)
+
+    def view(self, worker_id: str) -> WorkerView | None:
+        return self._workers.get(worker_id)
+
+    def gone(self, worker_id: str) -> asyncio.Event:
+        """An event set once `worker_id` is down (already set if it is not live now)."""
+        view = self._workers.get(worker_id)
+        if view is None:
+            done = asyncio.Event()
+            done.set()
+            return done
+        return view.gone
+
+    def acquire(self, worker_id: str) -> None:
+        if (view := self._workers.get(worker_id)) is not None:
+            view.in_flight += 1
+
+    def release(self, worker_id: str) -> None:
+        if (view := self._workers.get(worker_id)) is not None and view.in_flight > 0:
+            view.in_flight -= 1
+
+    async def wait_for(self, role: Role, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a live worker of `role`; True if there is one."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while not self.live(role):
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return False
+        return True
+
+
+def _rendezvous(key: str, worker_id: str) -> bytes:
+    return hashlib.sha256(f"{key}\x00{worker_id}".encode()).digest()
+
+
+@dataclass(slots=True)
+class Router:
+    table: WorkerTable
+    overload_factor: float = 2.0
+
+    def pick(self, role: Role, affinity_key: str | None = None, exclude: Iterable[str] = ()) -> str | None:
+        """A live worker of `role` not in `exclude` (or None); see the module docstring for the rule."""
+        skip = set(exclude)
+        candidates = [w for w in self.table.live(role) if w not in skip]
+        if not candidates:
+            return None
+        views = {w: self.table.view(w) for w in candidates}
+        if affinity_key:
+            home = max(candidates, key=lambda w: _rendezvous(affinity_key, w))
+            view = views[home]
+            if view is not None and view.score() <= self.overload_factor:
+                return home
+        return min(candidates, key=lambda w: (views[w].score() if views[w] else 0.0, w))

@@ -1,0 +1,216 @@
+"""One request's life on the bus: publish, watch, retry, migrate, deliver in order.
+
+The run subscribes to the request's token subject BEFORE it publishes the
+PrefillJob. Two stages are watched, each with its own timeout and its
+worker's heartbeat:
+- prefill (until seq 0 arrives): the prefill worker gone or silent past
+  `first_token_timeout_s` -> the PrefillJob is published again (attempt+1)
+  to another prefill worker;
+- decode (after seq 0): the decode worker gone or silent past
+  `inter_token_timeout_s` -> a migration DecodeJob (prompt + every token
+  delivered so far, attempt+1) goes to another decode worker, which
+  continues at seq = len(generated).
+Events are delivered by seq: a seq already delivered is dropped, one ahead
+is buffered. A retriable error event also triggers a retry. After
+`max_attempts` the run raises GatewayError; the caller ends the response
+with an error status or an error event, never a silently short body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+
+from shared.ingress.errors import ErrorKind
+from shared.ingress.gateway import GatewayError, Usage
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.protocol.base import ProtocolError
+from shared.protocol.messages import Role
+from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob, TokenEvent
+
+if TYPE_CHECKING:
+    from shared.ingress.gateway import Gateway, GenerationRequest
+
+log = get_logger(__name__)
+
+
+class Stage(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RequestRun:
+    __slots__ = ("gw", "req", "usage", "attempt", "stage", "prefill_worker", "decode_worker", "next_seq",
+                 "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline")
+
+    def __init__(self, gw: Gateway, req: GenerationRequest, usage: Usage) -> None:
+        self.gw, self.req, self.usage = gw, req, usage
+        self.attempt = 0
+        self.stage = Stage.PREFILL
+        self.prefill_worker = ""
+        self.decode_worker = ""
+        self.next_seq = 0
+        self.generated: list[int] = []
+        self._pending: dict[int, TokenEvent] = {}
+        self._inbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._sub = None
+        self._finished = False
+        self._held: list[str] = []  # workers whose in-flight count this run holds
+        self._deadline = time.time() + gw.settings.request_deadline_s
+
+    # --- lifecycle -------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        s = self.gw.settings
+        self._sub = await self.gw.nc.subscribe(subjects.tokens(self.req.request_id), cb=self._on_msg)
+        await self._start_prefill(exclude=())
+        while True:
+            timeout = s.first_token_timeout_s if self.stage is Stage.PREFILL else s.inter_token_timeout_s
+            watched = self.prefill_worker if self.stage is Stage.PREFILL else self.decode_worker
+            event = await self._next(watched, timeout)
+            if event is None:
+                await self._recover(f"{self.stage} worker {watched} gone or silent for {timeout:.0f}s")
+                continue
+            if event.attempt < self.attempt and event.error:
+                continue  # a failure report of an attempt already replaced
+            if event.error:
+                if not event.retriable:
+                    raise GatewayError(ErrorKind.INVALID_REQUEST, event.error, retriable=False)
+                await self._recover(f"worker {event.worker_id} reported: {event.error}")
+                continue
+            for ready in self._accept(event):
+                yield ready
+                if ready.finished:
+                    self._finished = True
+                    return
+
+    async def close(self) -> None:
+        """Unsubscribe; if the request did not finish (client gone, error), tell its worker to stop."""
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for worker in self._held:
+            self.gw.table.release(worker)
+        self._held.clear()
+        if not self._finished:
+            worker = self.prefill_worker if self.stage is Stage.PREFILL else self.decode_worker
+            if worker and self.gw.nc.is_connected:
+                abort = AbortRequest(request_id=self.req.request_id)
+                await self.gw.nc.publish(subjects.abort(worker), abort.to_bytes())
+
+    # --- events ----------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            event = TokenEvent.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable token event dropped", error=str(exc))
+            return
+        self._inbox.put_nowait(event)
+
+    async def _next(self, watched: str, timeout: float) -> TokenEvent | None:
+        """The next event, or None when `watched` goes down or nothing arrives within `timeout`."""
+        gone = self.gw.table.gone(watched)
+        if gone.is_set():
+            return None
+        get = asyncio.ensure_future(self._inbox.get())
+        down = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({get, down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not get.done():
+                get.cancel()
+        return get.result() if get.done() and not get.cancelled() else None
+
+    def _accept(self, event: TokenEvent) -> list[TokenEvent]:
+        """Events now deliverable in order: `event` trimmed to unseen tokens, then any buffered successors."""
+        if event.seq > self.next_seq:
+            self._pending.setdefault(event.seq, event)
+            return []
+        out: list[TokenEvent] = []
+        current: TokenEvent | None = event
+        while current is not None:
+            fresh = self._trim(current)
+            if fresh is not None:
+                out.append(fresh)
+                if fresh.finished:
+                    break
+            current = self._pending.pop(self.next_seq, None)
+        return out
+
+    def _trim(self, event: TokenEvent) -> TokenEvent | None:
+        skip = self.next_seq - event.seq
+        if skip < 0:
+            self._pending.setdefault(event.seq, event)
+            return None
+        new = event.token_ids[skip:]
+        if not new and not event.finished:
+            return None  # all seen already
+        if skip and skip > len(event.token_ids):
+            return None
+        self.usage.take(event)
+        if skip:
+            event = event.model_copy(update={"seq": self.next_seq, "token_ids": new,
+                                             "text": self.gw.detokenize(new)})
+        self.generated += new
+        self.next_seq += len(new)
+        if self.stage is Stage.PREFILL:
+            self.stage = Stage.DECODE
+        return event
+
+    # --- recovery --------------------------------------------------------
+
+    def _hold(self, worker: str) -> None:
+        self.gw.table.acquire(worker)
+        self._held.append(worker)
+
+    def _choose(self, role: Role, exclude: tuple[str, ...]) -> str:
+        worker = self.gw.router.pick(role, self.req.affinity_key, exclude)
+        if worker is None:  # only the excluded one is live: better it than nothing
+            worker = self.gw.router.pick(role, self.req.affinity_key)
+        if worker is None:
+            raise GatewayError(ErrorKind.OVERLOADED, f"no live {role} worker")
+        return worker
+
+    async def _start_prefill(self, exclude: tuple[str, ...]) -> None:
+        req = self.req
+        self.prefill_worker = self._choose(Role.PREFILL, exclude)
+        if not self.decode_worker or self.gw.table.gone(self.decode_worker).is_set():
+            self.decode_worker = self._choose(Role.DECODE, ())
+            self._hold(self.decode_worker)
+        self._hold(self.prefill_worker)
+        job = PrefillJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
+                         tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
+                         sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
+                         prefill_only=req.prefill_only, deadline=self._deadline)
+        await self.gw.publisher.publish(subjects.jobs_prefill(self.prefill_worker), job,
+                                        msg_id=f"{req.request_id}:{self.attempt}")
+
+    async def _migrate(self) -> None:
+        req = self.req
+        self.decode_worker = self._choose(Role.DECODE, (self.decode_worker,))
+        self._hold(self.decode_worker)
+        job = DecodeJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
+                        tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
+                        generated=list(self.generated), sampling=req.sampling,
+                        prompt_tokens=len(req.prompt_ids), cached_tokens=self.usage.cached_tokens,
+                        deadline=self._deadline)
+        await self.gw.publisher.publish(subjects.jobs_decode(self.decode_worker), job,
+                                        msg_id=f"{req.request_id}:{self.attempt}")
+
+    async def _recover(self, reason: str) -> None:
+        self.attempt += 1
+        if self.attempt >= self.gw.settings.max_attempts or time.time() > self._deadline:
+            raise GatewayError(ErrorKind.API, f"request did not finish after {self.attempt} attempts: {reason}")
+        log.warning("retrying request", request_id=self.req.request_id, stage=self.stage,
+                    attempt=self.attempt, reason=reason)
+        if self.stage is Stage.PREFILL:
+            await self._start_prefill(exclude=(self.prefill_worker,))
+        else:
+            await self._migrate()
