@@ -31,6 +31,10 @@ from shared.stack.services import ServiceContext, build_specs, discover_services
 from shared.stack.state import Endpoint, StackState, claim_state, load_state, remove_state, save_state
 
 
+# Ctrl-C, `kill`, and the terminal closing all stop the stack cleanly instead of orphaning it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass(frozen=True, slots=True)
 class UpOptions:
     """What the CLI asked for; ports of 0 pick free ones."""
@@ -53,7 +57,7 @@ def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> Stack
     state_dir = opts.state_dir.resolve()
     ensure_writable(state_dir)
     state = _claim(state_dir, opts.detach)
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in STOP_SIGNALS}
     try:
         try:
             _start_everything(settings, opts, state, say)
@@ -226,7 +230,7 @@ def _wait_ready(state: StackState, creds: S3Credentials, deadline: float) -> Non
 
 def _teardown(state: StackState, grace_s: float) -> None:
     """Stop everything started (services first), then forget the stack."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
     stop_in_order(state.processes, grace_s)
     remove_state(Path(state.state_dir))

@@ -1,4 +1,4 @@
-"""Foreground `kvmesh up`: SIGINT (Ctrl-C) or `kvmesh down` from elsewhere stops everything cleanly."""
+"""Foreground `kvmesh up`: Ctrl-C, a closed terminal or `kvmesh down` from elsewhere stops everything cleanly."""
 
 from __future__ import annotations
 
@@ -36,13 +36,16 @@ def assert_stopped(stack: StackDir, state: StackState) -> None:
     assert pids_for(stack.state_dir) == []
 
 
-@pytest.mark.parametrize("how, replicas", [("sigint", 2), ("sigterm", 0)])
-def test_foreground_signal_stops_everything(stack: StackDir, model_stub: Path, how: str, replicas: int) -> None:
+# SIGTERM reaches the launcher in test_down_from_another_shell_ends_the_foreground_up (down sends it)
+@pytest.mark.parametrize("how, replicas", [(signal.SIGINT, 2), (signal.SIGHUP, 0)])
+def test_foreground_signal_stops_everything(
+    stack: StackDir, model_stub: Path, how: signal.Signals, replicas: int
+) -> None:
     proc, state = start_foreground(stack, "--replicas", f"echo={replicas}", "--model", str(model_stub))
     assert {r.name for r in state.processes} == {"nats", "s3", *(f"echo-{i}" for i in range(replicas))}
     code, st = stack.status_json()
     assert code == 0 and st["ready"], st
-    proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+    proc.send_signal(how)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "stack stopped" in out and "Traceback" not in err
