@@ -70,7 +70,7 @@ def up(
 ) -> None:
     """Start NATS, the S3 server and every kvmesh service; print the endpoints once all are ready.
 
-    Without --detach it stays in the foreground; Ctrl-C or SIGTERM stops everything.
+    Without --detach it stays in the foreground; Ctrl-C, SIGTERM or SIGHUP stops everything.
 
     A second `up` on a state dir whose stack is running exits with code 3 and changes nothing.
 

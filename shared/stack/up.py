@@ -50,7 +50,7 @@ class UpOptions:
 
 
 def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> StackState:
-    """Start the stack; return once all is ready (--detach), or hold it until SIGINT/SIGTERM or `kvmesh down`.
+    """Start the stack; return once all is ready (--detach), or hold it until a STOP_SIGNAL or `kvmesh down`.
 
     Any failure or interrupt before that stops what was started; the foreground stack is stopped on return.
     """
@@ -78,7 +78,7 @@ def up(settings: Settings, opts: UpOptions, say: Callable[[str], None]) -> Stack
 
 
 def _hold(state: StackState, say: Callable[[str], None]) -> None:
-    """Wait for SIGINT/SIGTERM, `kvmesh down` removing the state file, or every process gone; report each death."""
+    """Wait for a STOP_SIGNAL, `kvmesh down` removing the state file, or every process gone; report each death."""
     all_names = {r.name for r in state.processes}
     reported: set[str] = set()
     try:
