@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from shared.engine.checkpoint_error import CheckpointError
 from shared.engine.forward_batch import ForwardBatch
 from shared.engine.loader import load_model
+from shared.engine.model_config import parse_model_config
 from shared.engine.presets import write_preset
 
 
@@ -178,3 +179,14 @@ def test_config_fields_and_eos(tiny_model_dir: Path, tiny_qwen2_model_dir: Path)
     assert qwen.config.tie_word_embeddings and qwen.config.attention_bias
     assert qwen.model.lm_head is None
     assert llama.config.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+def test_rope_config_spellings(tiny_model_dir: Path) -> None:
+    v4 = json.loads((tiny_model_dir / "config.json").read_text())
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**v4["rope_scaling"], "rope_theta": v4["rope_theta"]}
+    assert parse_model_config(v5) == parse_model_config(v4)
+    plain = {**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    assert parse_model_config(plain).rope_scaling is None and parse_model_config(plain).rope_theta == 1e4
+    with pytest.raises(CheckpointError, match="unsupported rope_scaling rope_type 'yarn'"):
+        parse_model_config({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
