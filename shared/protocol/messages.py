@@ -38,6 +38,7 @@ class Heartbeat(Message):
     started_at: datetime
     http_endpoint: str  # "http://host:port" of its side server: /healthz /readyz /metrics
     seq: int = Field(ge=0)
+    ttl_s: float = Field(gt=0)  # the entry's TTL: without a newer heartbeat by then, the worker is gone
 
 
 class ErrorReply(Message):

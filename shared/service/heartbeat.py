@@ -52,7 +52,7 @@ class HeartbeatLoop:
     def current(self) -> Heartbeat:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, load=float(self.load()), capacity=float(self.capacity),
-            started_at=self.started_at, http_endpoint=self.http_endpoint, seq=self.seq,
+            started_at=self.started_at, http_endpoint=self.http_endpoint, seq=self.seq, ttl_s=self.ttl_s,
         )
 
     async def beat(self) -> None:

@@ -1,19 +1,22 @@
 """Watch the `workers` bucket and yield workers coming up and going down.
 
 A worker is up from its first heartbeat until its entry is deleted (graceful
-stop) or expires (no heartbeat within its TTL). A worker that restarts under
+stop) or expires (no heartbeat within its TTL; the server's expiry marker, or,
+should the watcher miss that, no heartbeat here for 1.5 TTLs). A worker that restarts under
 the same id (new `started_at`) is reported down, then up: its previous
 incarnation's state (cached blocks, in-flight jobs) is gone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
 
+import nats.errors
 from nats.js import JetStreamContext
-from nats.js.kv import KV_DEL, KV_PURGE
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue, StopIterSentinel
 
 from shared.log import get_logger
 from shared.protocol import subjects
@@ -21,6 +24,9 @@ from shared.protocol.base import ProtocolError
 from shared.protocol.messages import Heartbeat
 
 log = get_logger(__name__)
+
+LAPSE_FACTOR = 1.5  # no heartbeat for this many TTLs: down, even if no expiry marker arrived
+_MAX_WAIT_S = 5.0
 
 
 class Change(StrEnum):
@@ -44,31 +50,58 @@ async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIte
     kv = await js.key_value(subjects.WORKERS_BUCKET)
     watcher = await kv.watchall()
     alive: dict[str, Heartbeat] = {}
+    seen: dict[str, float] = {}  # worker id -> monotonic time its latest heartbeat arrived here
     try:
-        async for entry in watcher:
-            if entry is None:  # end of the initial snapshot
-                continue
-            if entry.operation in (KV_DEL, KV_PURGE):
-                last = alive.pop(entry.key, None)
-                if last is not None:
-                    yield WorkerChange(Change.DOWN, entry.key, last)
-                continue
+        while True:
+            for change in _sweep(alive, seen):
+                yield change
             try:
-                hb = Heartbeat.from_bytes(entry.value or b"")
-            except ProtocolError as exc:
-                log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
+                entry = await watcher.updates(timeout=_until_next_lapse(alive, seen))
+            except nats.errors.TimeoutError:
                 continue
-            prev = alive.get(entry.key)
-            alive[entry.key] = hb
-            if prev is not None and prev.started_at != hb.started_at:
-                yield WorkerChange(Change.DOWN, entry.key, prev)
-                yield WorkerChange(Change.UP, entry.key, hb)
-            elif prev is None:
-                yield WorkerChange(Change.UP, entry.key, hb)
-            elif updates:
-                yield WorkerChange(Change.UPDATE, entry.key, hb)
+            if isinstance(entry, StopIterSentinel):
+                return
+            if entry is not None:  # None marks the end of the initial snapshot
+                for change in _apply(entry, alive, seen, updates):
+                    yield change
     finally:
         await watcher.stop()
+
+
+def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, float],
+           updates: bool) -> list[WorkerChange]:
+    if entry.operation in (KV_DEL, KV_PURGE):
+        seen.pop(entry.key, None)
+        last = alive.pop(entry.key, None)
+        return [WorkerChange(Change.DOWN, entry.key, last)] if last is not None else []
+    try:
+        hb = Heartbeat.from_bytes(entry.value or b"")
+    except ProtocolError as exc:
+        log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
+        return []
+    prev = alive.get(entry.key)
+    alive[entry.key], seen[entry.key] = hb, time.monotonic()
+    if prev is None:
+        return [WorkerChange(Change.UP, entry.key, hb)]
+    if prev.started_at != hb.started_at:
+        return [WorkerChange(Change.DOWN, entry.key, prev), WorkerChange(Change.UP, entry.key, hb)]
+    return [WorkerChange(Change.UPDATE, entry.key, hb)] if updates else []
+
+
+def _sweep(alive: dict[str, Heartbeat], seen: dict[str, float]) -> list[WorkerChange]:
+    # The server's expiry marker is the normal DOWN signal; this catches a marker the watcher
+    # never saw (it was disconnected longer than the marker lived) from the heartbeat's own TTL.
+    now = time.monotonic()
+    lapsed = [wid for wid, hb in alive.items() if now - seen[wid] > hb.ttl_s * LAPSE_FACTOR]
+    for wid in lapsed:
+        seen.pop(wid)
+    return [WorkerChange(Change.DOWN, wid, alive.pop(wid)) for wid in lapsed]
+
+
+def _until_next_lapse(alive: dict[str, Heartbeat], seen: dict[str, float]) -> float:
+    now = time.monotonic()
+    waits = [seen[wid] + hb.ttl_s * LAPSE_FACTOR - now for wid, hb in alive.items()]
+    return min(_MAX_WAIT_S, max(0.05, min(waits, default=_MAX_WAIT_S)))
 
 
 async def alive_workers(js: JetStreamContext) -> dict[str, Heartbeat]:

@@ -14,7 +14,7 @@ from shared.protocol.messages import Heartbeat, Role
 
 def _hb() -> Heartbeat:
     return Heartbeat(worker_id="prefill-1", role=Role.PREFILL, load=2.0, capacity=8.0,
-                     started_at=datetime(2026, 1, 1, tzinfo=UTC), http_endpoint="http://127.0.0.1:9", seq=4)
+                     started_at=datetime(2026, 1, 1, tzinfo=UTC), http_endpoint="http://127.0.0.1:9", seq=4, ttl_s=5.0)
 
 
 def test_roundtrip_carries_the_schema_version():

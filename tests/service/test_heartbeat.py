@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from bus.helpers import connected, unique
 
 from shared.metrics import ServiceMetrics
+from shared.protocol import subjects
 from shared.protocol.messages import Role
 from shared.service.heartbeat import HeartbeatLoop
 from shared.service.watch import Change, WorkerChange, alive_workers, watch_workers
@@ -76,3 +77,28 @@ async def test_graceful_withdraw_and_restart_are_seen(nats_server):
 async def _until_seq(beater: HeartbeatLoop, seq: int) -> None:
     while beater.seq < seq:
         await asyncio.sleep(0.05)
+
+
+async def test_updates_and_a_lapse_without_expiry_marker(nats_server):
+    worker = unique("w")
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = watch_workers(js, updates=True)
+        beater = _beater(js, worker, load=1)
+        await beater.beat()
+        assert (await _next_for(changes, worker, 5)).change is Change.UP
+        beater.load = lambda: 5.0
+        await beater.beat()
+        update = await _next_for(changes, worker, 5)
+        assert update.change is Change.UPDATE and update.heartbeat.load == 5.0 and update.heartbeat.seq == 2
+
+        # An entry the server keeps for 30 s but whose heartbeat says 1 s: as if the expiry marker was missed.
+        stale = beater.current().model_copy(update={"ttl_s": 1.0, "seq": 3})
+        await js.publish(subjects.heartbeat_key(worker), stale.to_bytes(), msg_ttl=30)
+        assert (await _next_for(changes, worker, 5)).change is Change.UPDATE
+        t0 = time.monotonic()
+        down = await _next_for(changes, worker, 5)
+        assert down.change is Change.DOWN and down.heartbeat.seq == 3
+        assert time.monotonic() - t0 >= 1.0  # 1.5 x its 1 s TTL after it arrived
+        await beater.withdraw()
+        await changes.aclose()
