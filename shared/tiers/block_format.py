@@ -126,7 +126,9 @@ def checksum_of(buf) -> bytes:
 
 def decode_header(buf) -> tuple[BlockHeader, int, int]:
     """Parse and verify the header and checksum: (header, payload offset, total length)."""
-    mv = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
+    mv = memoryview(buf)
+    if mv.format != "B":
+        mv = mv.cast("B")
     if len(mv) < 4 or bytes(mv[:4]) != MAGIC:
         raise BlockMiss(MissReason.BAD_MAGIC)
     if len(mv) < _FIXED.size:
