@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 _PREFILL_ROWS = 64  # rows per tile (tokens x group heads) when any sequence is multi-token
-_MIN_ROWS = 16  # tl.dot wants at least 16 rows
+_MIN_DOT = 16  # tl.dot wants every dimension at least 16 on GPU
 
 
 @triton.jit
@@ -109,13 +109,14 @@ def paged_attention_triton(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    assert hq % hkv == 0 and bs == triton.next_power_of_2(bs), "GQA groups and power-of-two block_size"
+    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
+    assert bs >= _MIN_DOT and bs == triton.next_power_of_2(bs), "block_size: a power of two, at least 16"
     assert kv_layer.stride(-1) == 1, "head_dim must be the innermost, contiguous axis"
     group = hq // hkv
     max_qlen = int(query_lens.max())
     # Decode packs only the group's heads into a tile; prefill adds tokens up to ~64 rows.
     block_q = 1 if max_qlen == 1 else max(1, _PREFILL_ROWS // group)
-    block_m = max(_MIN_ROWS, triton.next_power_of_2(block_q * group))
+    block_m = max(_MIN_DOT, triton.next_power_of_2(block_q * group))
     qstart = (torch.cumsum(query_lens, 0) - query_lens).to(torch.int32)
     block_tables = block_tables.contiguous()
     grid = (query_lens.shape[0], triton.cdiv(max_qlen, block_q), hkv)
@@ -142,7 +143,8 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=bs,
-        BLOCK_D=triton.next_power_of_2(d),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(d)),
+        # fp32 must stay fp32 (no TF32) to match the torch path; others use the default.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     return out
