@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from shared.tiers.block_format import BlockHeader, decode_block, encode_block, encode_kv_block, header_for
+from shared.tiers.block_format import DTYPES, BlockHeader, decode_block, encode_block, encode_kv_block, header_for
 from shared.tiers.miss import BlockMiss, MissReason
 
 
@@ -67,3 +69,18 @@ def test_header_rejects_mismatched_tensor(make_chain, fp) -> None:
     bad = BlockHeader(**{**{s: getattr(header, s) for s in header.__slots__}, "head_dim": 4})
     with pytest.raises(ValueError, match="does not match header"):
         encode_block(bad, block.data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 3), bs=st.sampled_from([1, 4, 16]), heads=st.integers(1, 3), dim=st.sampled_from([2, 8]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), layout=st.sampled_from(["NHD", "HND"]),
+       data=st.data())
+def test_any_single_byte_flip_is_never_served(layers, bs, heads, dim, dtype, layout, data) -> None:
+    header = BlockHeader("fp-prop", bytes(range(32)), None, tuple(range(bs)), layers, heads, dim, bs, dtype, layout)
+    tensor = torch.randn(header.shape).to(DTYPES[dtype])
+    enc = encode_block(header, tensor)
+    assert torch.equal(decode_block(bytes(enc), "fp-prop").data.view(torch.uint8), tensor.view(torch.uint8))
+    pos = data.draw(st.integers(0, len(enc) - 1))
+    enc[pos] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(BlockMiss):
+        decode_block(bytes(enc), "fp-prop")
