@@ -145,6 +145,7 @@ class Settings(BaseSettings):
     s3_secure: bool = False
     audit_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # share of cache-hit requests recomputed cold and compared
     api_keys: str | None = None  # `key:tenant,key:tenant`; unset: the ingress keys file
+    kernels: str = "auto"  # auto | torch | triton; kernels/dispatch.py reads KVMESH_KERNELS per call
 
     nats: NatsSettings = Field(default_factory=NatsSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
