@@ -44,12 +44,12 @@ class UploadQueue:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 1.0
     stats: UploadStats = field(default_factory=UploadStats)
-    queued_bytes: int = 0
+    queued_bytes: int = field(default=0, init=False)
     on_uploaded: Callable[[list[BlockHandle]], None] | None = None  # e.g. publish L3 presence to the index
-    _items: deque = field(default_factory=deque)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task | None = None
+    _items: deque = field(default_factory=deque, init=False, repr=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _task: asyncio.Task | None = field(default=None, init=False, repr=False)
 
     def submit(self, namespace: str, chain: list) -> bool:
         """Queue a chain of encoded blocks (position 0 first); False = dropped, queue full."""

@@ -58,6 +58,21 @@ async def test_upload_queue_drops_with_count_when_full(s3_server, make_chain, fp
     assert (queue.stats.dropped, queue.queued_bytes) == (1, sum(len(b) for b in chain))
 
 
+async def test_upload_queue_skips_a_bad_chain_and_keeps_going(s3_server, make_chain, fp) -> None:
+    client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    store = L3Store(client, "kvmesh-queue-bad", fp, chunk_blocks=4)
+    store.ensure_bucket()
+    queue = UploadQueue(store, max_bytes=1 << 30)
+    assert queue.submit("ns", [b"not a block"])
+    assert queue.submit("ns", [encode_kv_block(b, fp) for b in make_chain(4)])
+    queue.start()
+    try:
+        assert await queue.join(timeout_s=30)
+    finally:
+        await queue.close()
+    assert (queue.stats.failed, queue.stats.uploaded, queue.queued_bytes) == (1, 1, 0)
+
+
 async def test_s3_stop_mid_upload_opens_breaker_and_uploads_resume(fresh_s3_server, make_chain, fp) -> None:
     server = fresh_s3_server
     client = fast_fail_client(server.endpoint, server.access_key, server.secret_key, connect_timeout_s=0.5)
