@@ -56,6 +56,9 @@ def test_interpreter_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not use_triton(cpu)
     monkeypatch.delenv(ENV_VAR)
     assert not use_triton(cpu)  # auto: Triton only for CUDA tensors
+    monkeypatch.setenv(ENV_VAR, "tritn")
+    with pytest.raises(ValueError, match="KVMESH_KERNELS"):
+        use_triton(cpu)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs", "consecutive"), [(*h, False) for h in HEADS] + [(*HEADS[1], True)])
