@@ -1,0 +1,130 @@
+"""What every generation route does before it may publish anything: auth, rate limit, body, model, context.
+
+`admit(request)` authenticates the key, takes a rate-limit token and reads
+the JSON body within the size limit; `check_model` and `budget` validate the
+rest. Each raises ApiError, so a bad request ends before a job exists.
+Dialect modules (OpenAI, Anthropic) call these; the state lives on
+`app.state.ingress` (`IngressState`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from shared.config import IngressSettings
+from shared.ingress.auth import KeyRing, Principal
+from shared.ingress.errors import ApiError, ErrorKind, invalid
+from shared.ingress.gateway import Gateway
+from shared.ingress.limits import RateLimiter
+from shared.ingress.metrics import IngressMetrics
+from shared.ingress.prompt import PromptBuilder
+
+# Named caches (third part) plug in here: (principal, cache_id) -> the cached context to prepend.
+CacheLookup = Callable[[Principal, str], Awaitable["CachedContext"]]
+
+
+@dataclass(slots=True)
+class CachedContext:
+    """A named cache's content, prepended to a request that names it (`cache_id`)."""
+
+    messages: list[dict]  # role/content dicts, system first if any
+    tools: list[dict] | None = None
+
+
+@dataclass(slots=True)
+class IngressState:
+    """Everything the routes share; one per process, on `app.state.ingress`."""
+
+    settings: IngressSettings
+    keyring: KeyRing
+    limiter: RateLimiter
+    prompts: PromptBuilder
+    gateway: Gateway
+    metrics: IngressMetrics
+    model_id: str
+    context_len: int
+    cache_lookup: CacheLookup | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other parts' per-process objects, by name
+
+
+@dataclass(slots=True)
+class Admitted:
+    state: IngressState
+    principal: Principal
+    body: dict[str, Any]
+    request_id: str
+    session_id: str | None
+
+
+def state_of(request: Request) -> IngressState:
+    return request.app.state.ingress
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `limit` bytes, 400 if not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(ErrorKind.REQUEST_TOO_LARGE, f"request body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(ErrorKind.REQUEST_TOO_LARGE, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks) or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+async def admit(request: Request) -> Admitted:
+    state = state_of(request)
+    principal = state.keyring.authenticate(request)
+    state.limiter.check(principal.key_id)
+    body = await read_json(request, state.settings.max_body_bytes)
+    return Admitted(state, principal, body, request.state.request_id, request.state.session_id)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    """Validate a body; the first problem becomes a 400 naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise invalid(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+
+
+def check_model(state: IngressState, model: str) -> None:
+    if model != state.model_id:
+        raise ApiError(ErrorKind.NOT_FOUND, f"the model '{model}' does not exist (this server serves "
+                                            f"'{state.model_id}')", param="model")
+
+
+def budget(state: IngressState, prompt_tokens: int, max_tokens: int | None) -> int:
+    """max_tokens to use: the asked one if prompt + it fits the context, else 400; default: the rest."""
+    room = state.context_len - prompt_tokens
+    if prompt_tokens == 0:
+        raise invalid("the prompt is empty")
+    if max_tokens is None:
+        if room < 1:
+            raise invalid(f"the prompt ({prompt_tokens} tokens) fills the model's context of "
+                          f"{state.context_len} tokens", param="messages")
+        return room
+    if max_tokens > room:
+        raise invalid(f"this model's maximum context length is {state.context_len} tokens; the request asks "
+                      f"{prompt_tokens} prompt + {max_tokens} completion tokens", param="max_tokens")
+    return max_tokens

@@ -1,0 +1,136 @@
+"""The FastAPI app: middleware, error rendering, health routes, and every dialect's router.
+
+`create_app(state)` is the one place routers are mounted: the OpenAI routes
+(`openai_api.router`) and, when that module exists, the Anthropic and
+named-cache routes (`anthropic_api.router`, `named_caches.router`). A router
+reads the shared `IngressState` from `request.app.state.ingress` and raises
+`ApiError`; the handlers here render it in the route's dialect. Every
+response (errors included) carries `x-request-id` on OpenAI routes and
+`request-id` on Anthropic ones; `x-session-id` is accepted and bound to logs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.ingress.admission import IngressState
+from shared.ingress.errors import ApiError, Dialect, ErrorKind, dialect_of
+from shared.ingress.gateway import GatewayError
+from shared.log import bind_request, get_logger
+
+log = get_logger(__name__)
+
+# Routers of other parts, mounted if their module is present: (module, attribute).
+_OPTIONAL_ROUTERS = (("shared.ingress.anthropic_api", "router"), ("shared.ingress.named_caches", "router"))
+
+
+class RequestIdMiddleware:
+    """Pure ASGI (streams pass through untouched): assigns the request id, binds it, stamps the header.
+
+    Also counts every response by route and status (`count`); unknown paths count as one label.
+    """
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None], routes: frozenset[str]) -> None:
+        self.app, self.count, self.routes = app, count, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req_" + uuid.uuid4().hex
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        session_id = headers.get("x-session-id") or None
+        scope.setdefault("state", {})
+        scope["state"]["request_id"] = request_id
+        scope["state"]["session_id"] = session_id
+        header = b"request-id" if dialect_of(scope.get("path", "")) is Dialect.ANTHROPIC else b"x-request-id"
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                path = scope.get("path", "")
+                self.count(path if path in self.routes else "other", message["status"])
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (header, request_id.encode())]
+            await send(message)
+
+        with bind_request(request_id, session_id):
+            await self.app(scope, receive, stamped)
+
+
+def error_response(exc: ApiError, path: str) -> JSONResponse:
+    dialect = dialect_of(path)
+    return JSONResponse(exc.body(dialect), status_code=exc.status(dialect), headers=exc.headers())
+
+
+def gateway_api_error(exc: GatewayError) -> ApiError:
+    return ApiError(exc.kind, exc.message)
+
+
+def create_app(state: IngressState, registry: CollectorRegistry | None = None) -> FastAPI:
+    """The ingress app over `state`; `registry` is served on /metrics."""
+    from shared.ingress import openai_api
+
+    app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ingress = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(gateway_api_error(exc), request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(ErrorKind.INVALID_REQUEST, str(exc.errors()[:1])), request.url.path)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(ApiError(ErrorKind.NOT_FOUND, f"no route {request.url.path}"), request.url.path)
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, exc: Exception) -> JSONResponse:
+        error = ApiError(ErrorKind.INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
+        return error_response(error, request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", path=request.url.path)
+        return error_response(ApiError(ErrorKind.API, "internal error"), request.url.path)
+
+    @app.get("/healthz")
+    async def healthz() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        ready = state.gateway.ready()
+        return PlainTextResponse("ready" if ready else "not ready", status_code=200 if ready else 503)
+
+    if registry is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(openai_api.router)
+    for module, attr in _OPTIONAL_ROUTERS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        app.include_router(getattr(mod, attr))
+    routes = frozenset(getattr(r, "path", "") for r in app.routes)
+    app.add_middleware(RequestIdMiddleware, routes=routes,
+                       count=lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
+    return app

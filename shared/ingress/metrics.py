@@ -1,0 +1,35 @@
+"""The ingress's Prometheus collectors (kvmesh_ingress_*), on the service's registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class IngressMetrics:
+    requests: Counter  # by route and status
+    ttft_seconds: Histogram
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    completion_tokens: Counter
+    retries: Counter
+    in_flight: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> IngressMetrics:
+        return cls(
+            requests=Counter("kvmesh_ingress_requests", "HTTP requests by route and status.",
+                             ("route", "status"), registry=registry),
+            ttft_seconds=Histogram("kvmesh_ingress_ttft_seconds", "Request start to first token.", ("route",),
+                                   buckets=_TTFT_BUCKETS, registry=registry),
+            prompt_tokens=Counter("kvmesh_ingress_prompt_tokens", "Prompt tokens served.", registry=registry),
+            cached_tokens=Counter("kvmesh_ingress_cached_tokens", "Prompt tokens served from cache.",
+                                  registry=registry),
+            completion_tokens=Counter("kvmesh_ingress_completion_tokens", "Tokens generated.", registry=registry),
+            retries=Counter("kvmesh_ingress_retries", "Prefill retries and decode migrations.", registry=registry),
+            in_flight=Gauge("kvmesh_ingress_in_flight", "Requests being generated now.", registry=registry),
+        )

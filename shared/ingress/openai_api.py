@@ -1,0 +1,171 @@
+"""The OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models.
+
+Bodies, usage (`prompt_tokens_details.cached_tokens`), streaming chunks
+(`stream_options.include_usage` adds the final usage chunk) and error
+objects follow the OpenAI API, so the official SDK works unchanged. A
+stream waits for its first token before answering 200: anything that fails
+earlier (no worker, retries spent) is a proper error status; a failure after
+that ends the stream with an `{"error": ...}` event and no `[DONE]`, which
+the SDK raises on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shared.engine.chat_template import ChatTemplateError
+from shared.ingress.admission import Admitted, admit, budget, check_model, parse, state_of
+from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
+from shared.ingress.gateway import GatewayError, GenerationRequest, Usage
+from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from shared.ingress.sse import SSE_HEADERS, sse
+from shared.log import get_logger
+from shared.protocol.serving import SamplingSpec, TokenEvent
+
+log = get_logger(__name__)
+router = APIRouter()
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    state.keyring.authenticate(request)
+    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "kvmesh"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    adm = await admit(request)
+    body = parse(ChatCompletionRequest, adm.body)
+    check_model(adm.state, body.model)
+    messages = [m.flat() for m in body.messages]
+    tools = body.tools
+    if body.cache_id is not None:
+        if adm.state.cache_lookup is None:
+            raise ApiError(ErrorKind.NOT_FOUND, "named caches are not enabled", param="cache_id")
+        cached = await adm.state.cache_lookup(adm.principal, body.cache_id)
+        messages = cached.messages + messages
+        tools = (cached.tools or []) + (tools or []) or None
+    try:
+        prompt_ids = adm.state.prompts.chat(adm.principal.tenant, messages, tools)
+    except ChatTemplateError as exc:
+        raise invalid(f"messages: {exc}", param="messages") from None
+    req = _generation(adm, body, prompt_ids, body.token_limit())
+    return await _respond(adm, req, body, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    adm = await admit(request)
+    body = parse(CompletionRequest, adm.body)
+    check_model(adm.state, body.model)
+    prompt_ids = adm.state.prompts.encode(body.text())
+    req = _generation(adm, body, prompt_ids, body.max_tokens)
+    return await _respond(adm, req, body, chat=False)
+
+
+def _generation(adm: Admitted, body: _Common, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+    limit = budget(adm.state, len(prompt_ids), max_tokens)
+    sampling = SamplingSpec(max_tokens=limit, temperature=float(body.temperature), top_p=float(body.top_p),
+                            seed=body.seed, stop=body.stop_list())
+    if body.user or body.safety_identifier:
+        log.info("request identity", user=body.user, safety_identifier=body.safety_identifier)
+    return GenerationRequest(
+        request_id=adm.request_id, tenant=adm.principal.tenant, tenant_salt=adm.principal.salt,
+        prompt_ids=prompt_ids, sampling=sampling, session_id=adm.session_id,
+        affinity_key=body.prompt_cache_key or adm.session_id,
+    )
+
+
+def _usage(usage: Usage, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": usage.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    reason = None if finish is None else _FINISH.get(finish, finish)
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+    if text:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def _envelope(req: GenerationRequest, model: str, chat: bool, stream: bool) -> dict[str, Any]:
+    obj = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return {"id": prefix + req.request_id.removeprefix("req_"), "object": obj, "created": int(time.time()),
+            "model": model, "system_fingerprint": None}
+
+
+def _account(adm: Admitted, usage: Usage, completion_tokens: int) -> None:
+    m = adm.state.metrics
+    m.prompt_tokens.inc(usage.prompt_tokens)
+    m.cached_tokens.inc(usage.cached_tokens)
+    m.completion_tokens.inc(completion_tokens)
+
+
+async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: bool) -> Any:
+    route = "chat" if chat else "completions"
+    started = time.monotonic()
+    if not body.stream:
+        done = await adm.state.gateway.complete(req)
+        adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
+        usage = Usage(done.prompt_tokens, done.cached_tokens, done.cache_created_tokens)
+        _account(adm, usage, len(done.token_ids))
+        if chat:
+            adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None},
+                      "logprobs": None, "finish_reason": _FINISH.get(done.finish_reason, done.finish_reason)}
+        else:
+            choice = _choice(False, done.text, done.finish_reason)
+        return JSONResponse({**_envelope(req, body.model, chat, False), "choices": [choice],
+                             "usage": _usage(usage, len(done.token_ids))})
+
+    usage = Usage()
+    events = adm.state.gateway.stream(req, usage).__aiter__()
+    first = await events.__anext__()  # GatewayError here is still an HTTP error status
+    adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
+    return StreamingResponse(_chunks(adm, req, body, chat, usage, first, events),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, chat: bool, usage: Usage,
+                  first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
+    env = _envelope(req, body.model, chat, True)
+    tail = {"usage": None} if body.include_usage else {}
+    ids: list[int] = []
+    text: list[str] = []
+    try:
+        if chat:
+            yield sse({**env, "choices": [_choice(True, None, None, first=True)], **tail})
+        event = first
+        while True:
+            ids += event.token_ids
+            text.append(event.text)
+            if event.text:
+                yield sse({**env, "choices": [_choice(chat, event.text, None)], **tail})
+            if event.finished:
+                yield sse({**env, "choices": [_choice(chat, None, event.finish_reason or "stop")], **tail})
+                break
+            event = await events.__anext__()
+        if body.include_usage:
+            yield sse({**env, "choices": [], "usage": _usage(usage, len(ids))})
+        yield sse("[DONE]")
+        _account(adm, usage, len(ids))
+        if chat:
+            adm.state.prompts.remember_answer(req.tenant, "".join(text), ids)
+    except GatewayError as exc:
+        log.warning("stream ended with an error", error=exc.message)
+        yield sse(ApiError(exc.kind, exc.message).body(Dialect.OPENAI))
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

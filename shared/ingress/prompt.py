@@ -1,0 +1,97 @@
+"""Chat messages -> prompt token ids that stay the same across turns.
+
+Re-tokenizing an assistant answer's text need not give back the ids the
+model generated, which would break the prefix hit at the answer on the next
+turn. So the rendered template is tokenized piecewise, split at each
+assistant message's content: the pieces between are encoded as text, and an
+assistant content whose text this tenant received from us is replaced by the
+ids we generated (`AssistantMemory`). Always piecewise, on the first turn too,
+so one conversation prefix always yields one id sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class AssistantMemory:
+    """Bounded LRU: (tenant, sha256 of an answer's text) -> the ids that produced it."""
+
+    capacity: int
+    _entries: OrderedDict[tuple[str, bytes], tuple[int, ...]] = field(default_factory=OrderedDict)
+
+    @staticmethod
+    def _key(tenant: str, text: str) -> tuple[str, bytes]:
+        return tenant, hashlib.sha256(text.encode()).digest()
+
+    def remember(self, tenant: str, text: str, ids: Sequence[int]) -> None:
+        if not text or not ids:
+            return
+        key = self._key(tenant, text)
+        self._entries[key] = tuple(ids)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def recall(self, tenant: str, text: str) -> tuple[int, ...] | None:
+        key = self._key(tenant, text)
+        ids = self._entries.get(key)
+        if ids is not None:
+            self._entries.move_to_end(key)
+        return ids
+
+
+class PromptBuilder:
+    """Renders and tokenizes prompts for one model; shared by every dialect."""
+
+    __slots__ = ("tokenizer", "memory", "_specials")
+
+    def __init__(self, tokenizer: Tokenizer, memory_capacity: int) -> None:
+        self.tokenizer = tokenizer
+        self.memory = AssistantMemory(memory_capacity)
+        self._specials = frozenset(tokenizer.eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Raw text as is (completions): no template, no special tokens added."""
+        return self.tokenizer.encode(text)
+
+    def chat(self, tenant: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render `messages` with the chat template (generation prompt on) and tokenize piecewise.
+
+        Messages are plain dicts with `role` and string `content` (dialects flatten content blocks first).
+        Raises ChatTemplateError if the template rejects them.
+        """
+        rendered = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        ids: list[int] = []
+        pos = 0
+        for msg in messages:
+            content = msg.get("content")
+            if msg.get("role") != "assistant" or not isinstance(content, str) or not content:
+                continue
+            at = rendered.find(content, pos)
+            if at < 0:  # the template rewrote the content (e.g. stripped it): leave it to plain encoding
+                continue
+            ids += self.tokenizer.encode(rendered[pos:at])
+            recalled = self.memory.recall(tenant, content)
+            ids += list(recalled) if recalled is not None else self.tokenizer.encode(content)
+            pos = at + len(content)
+        ids += self.tokenizer.encode(rendered[pos:])
+        return ids
+
+    def remember_answer(self, tenant: str, text: str, token_ids: Sequence[int]) -> None:
+        """Record a generated answer so the next turn's prompt reuses its exact ids.
+
+        Trailing end-of-turn ids are dropped (the template writes them after the content); the
+        ids are kept only if they decode back to `text` exactly (a stop string cut the text otherwise).
+        """
+        ids = list(token_ids)
+        while ids and ids[-1] in self._specials:
+            ids.pop()
+        if ids and self.tokenizer.decode(ids) == text:
+            self.memory.remember(tenant, text, ids)

@@ -1,0 +1,92 @@
+"""Wiring of the ingress process: runner context -> IngressState -> FastAPI app on uvicorn.
+
+`setup(ctx)` is the runner's setup hook (see shared/service/runner.py): it
+loads the tokenizer and model config from `KVMESH_MODEL_DIR`, the API keys,
+starts following worker heartbeats, and serves the app on
+`ingress.host:ingress.port` until the runner drains (SIGTERM), when uvicorn
+stops taking connections and finishes open responses first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from shared.config import Settings
+from shared.engine.tokenizer import Tokenizer
+from shared.ingress.admission import IngressState
+from shared.ingress.app import create_app
+from shared.ingress.auth import KeyRing
+from shared.ingress.gateway import Gateway
+from shared.ingress.limits import RateLimiter
+from shared.ingress.metrics import IngressMetrics
+from shared.ingress.prompt import PromptBuilder
+from shared.ingress.router import WorkerTable
+from shared.log import get_logger
+from shared.service.runner import ServiceContext
+
+log = get_logger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the service runner owns SIGTERM/SIGINT and drains."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def context_length(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
+
+
+def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metrics: IngressMetrics,
+                model_dir: Path) -> IngressState:
+    s = settings.ingress
+    keyring = KeyRing.from_settings(settings.api_keys, s.keys_file, settings.state_dir)
+    if not len(keyring):
+        log.warning("no API keys configured: every request will get 401 (set KVMESH_API_KEYS or the keys file)")
+    return IngressState(
+        settings=s, keyring=keyring, limiter=RateLimiter(s.rate_limit_per_s, s.rate_limit_burst),
+        prompts=PromptBuilder(tokenizer, s.assistant_memory), gateway=gateway, metrics=metrics,
+        model_id=s.model_id or model_dir.name, context_len=context_length(model_dir),
+    )
+
+
+async def setup(ctx: ServiceContext) -> None:
+    settings = ctx.settings
+    if settings.model_dir is None:
+        raise RuntimeError("KVMESH_MODEL_DIR is not set: the ingress needs the model's tokenizer")
+    model_dir = Path(settings.model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    table = WorkerTable()
+    watch = asyncio.create_task(table.run(ctx.js))
+    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode)
+    state = build_state(settings, gateway, tokenizer, IngressMetrics.create(ctx.metrics.registry), model_dir)
+    app = create_app(state, ctx.metrics.registry)
+    server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
+                                   log_config=None, access_log=False, lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            watch.cancel()
+            raise RuntimeError(f"ingress HTTP server did not start on {settings.ingress.host}:{settings.ingress.port}")
+        await asyncio.sleep(0.02)
+    log.info("ingress listening", url=f"http://{settings.ingress.host}:{settings.ingress.port}",
+             model=state.model_id, keys=len(state.keyring))
+    ctx.ready_check = gateway.ready
+    ctx.load = lambda: float(gateway.in_flight)
+    ctx.capacity = float(settings.ingress.max_in_flight)
+
+    async def stop() -> None:
+        server.should_exit = True
+        await asyncio.gather(serving, return_exceptions=True)
+        watch.cancel()
+
+    ctx.on_stop.append(stop)
