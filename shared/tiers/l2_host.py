@@ -64,6 +64,9 @@ class HostTier:
 
     def put_block(self, block: KVBlock) -> PutResult:
         """Encode and store an engine block (no re-verification: we just wrote the checksum)."""
+        if block.block_hash in self._info:  # content-addressed: already here means identical
+            self._touch(block.block_hash)
+            return PutResult(True, [], self.handle(block.block_hash))
         encoded = encode_kv_block(block, self.fingerprint)
         return self._insert(header_for(block, self.fingerprint), encoded, len(encoded))
 
@@ -87,6 +90,7 @@ class HostTier:
         now = self.clock()
         if self._observe is not None:
             self._observe(key, now)
+        # Depth counts only ancestors held here (a parent may live in L1 alone).
         parent = self._info.get(header.parent_hash) if header.parent_hash else None
         info = BlockInfo(block_hash=key, parent_hash=header.parent_hash, depth=parent.depth + 1 if parent else 0,
                          num_tokens=header.block_size, size_bytes=total, created_at=now, last_access=now)
