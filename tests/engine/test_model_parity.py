@@ -19,7 +19,7 @@ from shared.engine.loader import LoadedModel, load_model
 from shared.engine.presets import write_preset
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
+BLOCK_SIZE = 16  # the engine default; also the smallest the Triton kernels take
 
 
 class PagedRunner:
