@@ -8,6 +8,9 @@ cannot hide behind contiguous slots.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,32 @@ def test_bfloat16_runs_close_to_fp32(tiny_model_dir: Path) -> None:
     ref32 = PagedRunner(fp32).step([("a", tokens)])[0]
     torch.testing.assert_close(got, _hf_logits(hf.eval(), tokens)[-1], atol=0.1, rtol=0)
     torch.testing.assert_close(got, ref32, atol=0.4, rtol=0)
+
+
+TRITON_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_model_parity import run_mixed_batch
+from shared.engine.loader import load_model
+torch.save(run_mixed_batch(load_model(sys.argv[2])), sys.argv[3])
+"""
+
+
+def run_mixed_batch(loaded: LoadedModel) -> torch.Tensor:
+    """Two steps over three sequences: prefill, chunk over cache, decode."""
+    vocab = loaded.config.vocab_size
+    a, b, c = _tokens(13, vocab, 4), _tokens(40, vocab, 5), _tokens(21, vocab, 6)
+    runner = PagedRunner(loaded)
+    first = runner.step([("b", b[:19]), ("c", c[:20])])
+    return torch.cat([first, runner.step([("a", a), ("b", b[19:]), ("c", c[20:])])])
+
+
+def test_triton_kernels_give_the_same_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The model drives the Triton kernels (interpreted on CPU, in a fresh process) to the same logits."""
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "KVMESH_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).parent), str(tiny_model_dir), str(out)],
+        env=env, check=True, capture_output=True, timeout=240,
+    )
+    torch.testing.assert_close(torch.load(out), run_mixed_batch(load_model(tiny_model_dir)), atol=ATOL, rtol=0)
