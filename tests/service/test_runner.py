@@ -21,7 +21,7 @@ from shared.bus.request import request
 from shared.config import ServiceSettings, Settings
 from shared.protocol import subjects
 from shared.protocol.messages import Role
-from shared.protocol.streams import JOBS, KV_EVENTS
+from shared.protocol.streams import JOBS, KV_EVENTS, ConsumerSpec
 from shared.service.runner import ServiceRunner
 from shared.stack.servers import free_port
 
@@ -161,3 +161,16 @@ async def _sigterm_during_a_job(proc: subprocess.Popen, http: httpx.AsyncClient,
     assert await _events(js, worker) == [b"done:1.5"]  # the in-flight job finished before exit
     info = await js.consumer_info(JOBS.name, f"prefill-{worker}")
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_a_failed_start_exits_one(nats_server):
+    async def setup(ctx):
+        spec = ConsumerSpec("NO_SUCH_STREAM", f"prefill-{ctx.worker_id}", subjects.jobs_prefill(ctx.worker_id))
+
+        async def never(msg) -> None:
+            raise AssertionError("no message can arrive")
+
+        ctx.add_consumer(spec, never)
+
+    runner = ServiceRunner("broken", Role.TEST, setup, _settings(nats_server.url, unique("w")))
+    assert await asyncio.wait_for(runner.run(), 15) == 1
