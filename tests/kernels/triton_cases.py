@@ -132,10 +132,14 @@ def test_rope(monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int
     torch.testing.assert_close((tq, tk), (rq, rk), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("hkv", "d", "bs"), [(1, 32, 16), (2, 64, 32), (3, 48, 16)])
-def test_write_kv(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize(
+    ("hkv", "d", "bs", "dtype"),
+    [(1, 32, 16, torch.float32), (2, 64, 32, torch.float32), (3, 48, 16, torch.float32), (2, 16, 16, torch.float16)],
+)
+def test_write_kv(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int, bs: int, dtype: torch.dtype) -> None:
+    """fp32 k/v into the cache's dtype, at shuffled slots, leaving every other slot alone."""
     g = torch.Generator().manual_seed(hkv)
-    cache = torch.randn(2, 2, 5, bs, hkv, d, generator=g)
+    cache = torch.randn(2, 2, 5, bs, hkv, d, generator=g).to(dtype)
     t = 2 * bs + 1
     k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
     slots = torch.randperm(5 * bs, generator=g)[:t]
@@ -145,7 +149,7 @@ def test_write_kv(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int, bs: int) ->
     monkeypatch.setenv(ENV_VAR, "triton")
     write_kv(cache[1], k, v, slots)
     assert torch.equal(cache, expected)  # layer 0 and untouched slots included
-    assert torch.equal(cache[1, 0].view(-1, hkv, d)[slots], k)
+    assert torch.equal(cache[1, 0].view(-1, hkv, d)[slots], k.to(dtype))
 
 
 @pytest.mark.parametrize(("hkv", "d", "bs"), [(2, 32, 16), (1, 64, 32)])
@@ -165,6 +169,11 @@ def test_gather_scatter_blocks(monkeypatch: pytest.MonkeyPatch, hkv: int, d: int
     scatter_blocks(target, dst_ids, tri)
     assert torch.equal(target, expected)
     assert torch.equal(target[:, :, 6], cache[:, :, 5])
+    monkeypatch.setenv(ENV_VAR, "triton")
+    none = gather_blocks(cache, torch.tensor([], dtype=torch.int64))
+    assert none.shape == (0, 3, 2, bs, hkv, d)
+    scatter_blocks(target, torch.tensor([], dtype=torch.int64), none)
+    assert torch.equal(target, expected)
 
 
 def test_paged_attention_strided_q(monkeypatch: pytest.MonkeyPatch) -> None:
