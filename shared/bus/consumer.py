@@ -6,14 +6,16 @@ Contract for a handler `async (msg) -> None`:
   dead-lettered at once; retrying cannot help.
 - raises anything else, or runs past the consumer's `handler_timeout_s`: it
   is nak'ed with a delay and redelivered, up to the consumer's `max_deliver`
-  attempts; the failure of the last attempt dead-letters it. A message whose attempts died with their process (no
-  verdict at all) is dead-lettered when it comes back once more.
+  attempts; the failure of the last attempt dead-letters it. A message whose
+  attempts died with their process (no verdict at all) is dead-lettered when
+  it comes back once more.
 Dead-lettering copies the payload to `subjects.dead_letter(stream)` with the
 reason, delivery count, original subject, stream and sequence in headers,
-then `term()`s the original (the DLQ copy's msg id is stream + sequence, so
-a repeat is stored once). Handlers must be idempotent: JetStream delivers at
-least once; the message's request/session ids are bound for their logs. While a handler runs, `in_progress()` is sent every third of
-`ack_wait`, so a long handler is not redelivered behind its back.
+then `term()`s the original (the copy's msg id is stream + sequence, so a
+repeat is stored once). Handlers must be idempotent: JetStream delivers at
+least once. The message's request/session ids are bound for their logs.
+While a handler runs, `in_progress()` is sent every third of `ack_wait`, so
+a long handler is not redelivered behind its back.
 
 `stop()` stops fetching; `run()` then waits for in-flight handlers until the
 drain deadline, cancels what is left (those messages are nak'ed for prompt
