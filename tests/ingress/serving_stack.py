@@ -1,0 +1,153 @@
+"""A real serving stack for tests: prefill/decode/ingress subprocesses on the nats/s3 fixtures.
+
+Every process is started with `python -m services.<name>` and its own
+KVMESH_* environment, logs to a file in the stack's tmp dir, and is killed by
+PID in `stop()` (run it in a fixture's finally). Heartbeat TTLs are short so
+a killed worker is noticed within ~2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port, spawn_process
+
+
+async def declare(nats_url: str) -> None:
+    import nats
+
+    from shared.protocol.streams import declare_all
+
+    nc = await nats.connect(nats_url)
+    try:
+        await declare_all(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+async def job_count(nats_url: str) -> int:
+    """Messages ever stored in the JOBS stream (its last sequence): unchanged means nothing was published."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        info = await nc.jetstream().stream_info("JOBS")
+        return int(info.state.last_seq)
+    finally:
+        await nc.close()
+
+
+@dataclass
+class ServingStack:
+    root: Path
+    nats: NatsServer
+    s3: S3Server | None
+    model_dir: Path
+    api_keys: dict[str, str]  # key -> tenant
+    bucket: str = "kvmesh-ingress-tests"
+    ingress_port: int = 0
+    procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ingress_port}"
+
+    def env(self, worker_id: str, http_port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            KVMESH_NATS_URL=self.nats.url,
+            KVMESH_STATE_DIR=str(self.root / "state"),
+            KVMESH_MODEL_DIR=str(self.model_dir),
+            KVMESH_SERVICE__WORKER_ID=worker_id,
+            KVMESH_SERVICE__HTTP_PORT=str(http_port),
+            KVMESH_SERVICE__HEARTBEAT_INTERVAL_S="0.5",
+            KVMESH_SERVICE__HEARTBEAT_TTL_S="2",
+            KVMESH_ENGINE__NUM_BLOCKS="512",
+            KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
+            KVMESH_API_KEYS=",".join(f"{k}:{t}" for k, t in self.api_keys.items()),
+            KVMESH_INGRESS__PORT=str(self.ingress_port),
+            KVMESH_LOG_LEVEL="info",
+        )
+        if self.s3 is not None:
+            env.update(KVMESH_S3_ENDPOINT=self.s3.endpoint, KVMESH_S3_ACCESS_KEY=self.s3.access_key,
+                       KVMESH_S3_SECRET_KEY=self.s3.secret_key, KVMESH_S3__BUCKET=self.bucket)
+        else:
+            env["KVMESH_TIERS__L3_ENABLED"] = "false"
+        env.update(self.extra_env)
+        return env
+
+    def start(self, service: str, worker_id: str) -> int:
+        """Start one service process; returns its side HTTP port (for /readyz)."""
+        port = free_port()
+        argv = [sys.executable, "-m", f"services.{service}"]
+        self.procs[worker_id] = spawn_process(worker_id, argv, self.root / "logs" / f"{worker_id}.log",
+                                              detach=False, env=self.env(worker_id, port))
+        return port
+
+    def wait_ready(self, port: int, worker_id: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[worker_id].proc
+            if proc.poll() is not None:
+                raise RuntimeError(f"{worker_id} exited {proc.returncode}:\n{self.log(worker_id)[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{worker_id} not ready in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
+
+    def wait_http(self, worker_id: str, timeout_s: float = 60.0) -> None:
+        """Wait until the ingress answers /healthz on its API port (it may be unready: no workers)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[worker_id].proc
+            if proc.poll() is not None:
+                raise RuntimeError(f"{worker_id} exited {proc.returncode}:\n{self.log(worker_id)[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{worker_id} API not up in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
+
+    def start_ready(self, service: str, worker_id: str) -> None:
+        self.wait_ready(self.start(service, worker_id), worker_id)
+
+    def log(self, worker_id: str) -> str:
+        path = self.root / "logs" / f"{worker_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        os.kill(self.procs[worker_id].pid, sig)
+
+    def stop(self) -> None:
+        for worker_id, proc in list(self.procs.items()):
+            if proc.proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                except ProcessLookupError:
+                    pass
+            proc.stop(grace_s=3.0)
+        self.procs.clear()
+
+
+def make_stack(root: Path, nats: NatsServer, s3: S3Server | None, model_dir: Path,
+               api_keys: dict[str, str], **extra_env: str) -> ServingStack:
+    """A stack with streams declared and the S3 bucket made; nothing started yet."""
+    asyncio.run(declare(nats.url))
+    stack = ServingStack(root, nats, s3, model_dir, api_keys, ingress_port=free_port(), extra_env=extra_env)
+    if s3 is not None:
+        s3.ensure_bucket(stack.bucket)
+    return stack
