@@ -67,7 +67,14 @@ class PromptBuilder:
         Messages are plain dicts with `role` and string `content` (dialects flatten content blocks first).
         Raises ChatTemplateError if the template rejects them.
         """
-        rendered = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        return self.tokenize(tenant, self.render(messages, tools), messages)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
+        """The chat template's text (ChatTemplateError if rejected); a named cache renders without the prompt."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt)
+
+    def tokenize(self, tenant: str, rendered: str, messages: list[dict]) -> list[int]:
+        """Piecewise ids of `rendered` (the template text of `messages`), split at assistant contents."""
         ids: list[int] = []
         pos = 0
         for msg in messages:
@@ -83,6 +90,16 @@ class PromptBuilder:
             pos = at + len(content)
         ids += self.tokenizer.encode(rendered[pos:])
         return ids
+
+    def prefix_length(self, tenant: str, ids: list[int], rendered: str, messages: list[dict], end: int) -> int:
+        """How many leading `ids` (= tokenize(rendered)) lie wholly inside `rendered[:end]` (cache breakpoints)."""
+        head = self.tokenize(tenant, rendered[:end], messages)
+        n = 0
+        for a, b in zip(ids, head):
+            if a != b:
+                break
+            n += 1
+        return n  # ids[:n] == head[:n], and head decodes to a prefix of rendered[:end]
 
     def remember_answer(self, tenant: str, text: str, token_ids: Sequence[int]) -> None:
         """Record a generated answer so the next turn's prompt reuses its exact ids.
