@@ -24,6 +24,7 @@ from shared.engine.block_pool import BlockPool
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.kv_block import KVBlock
 from shared.engine.loader import LoadedModel
+from shared.engine.pins import PinSet
 from shared.engine.prefix_cache import KVEventListener, PrefixCache
 from shared.engine.request import Request, RequestOutput, RequestStatus
 from shared.engine.sampling import SamplingParams, make_generator, sample
@@ -51,6 +52,7 @@ class Engine:
         block_bytes = cfg.kv_bytes_per_token() * settings.block_size
         self.cache = PrefixCache(BlockPool(settings.num_blocks), settings.block_size, policy, listener, block_bytes=block_bytes)
         self.scheduler = Scheduler(settings, self.cache)
+        self.pins = PinSet(self.cache)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._keys: dict[tuple[bytes, str], HashKeys] = {}
@@ -73,11 +75,21 @@ class Engine:
         params: SamplingParams,
         tenant_salt: bytes = b"",
         adapter: str = "",
+        generated: Sequence[int] = (),
+        use_cache: bool = True,
     ) -> None:
-        """Queue a request; ValueError for an empty prompt, ids outside the vocab, one past the context, a duplicate id."""
+        """Queue a request; ValueError for an empty prompt, ids outside the vocab, one past the context, a duplicate id.
+
+        `generated`: output tokens already produced elsewhere (a migrated request): they count as
+        output (max_tokens, stop strings, detokenization continue from them) and are not re-reported.
+        `use_cache=False` computes the whole prompt cold (the cache audit).
+        """
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.loaded.config.vocab_size:
+        if generated and len(generated) >= params.max_tokens:
+            raise ValueError(f"request {request_id!r}: {len(generated)} tokens already generated, max_tokens {params.max_tokens}")
+        all_ids = [*prompt_ids, *generated]
+        if min(all_ids) < 0 or max(all_ids) >= self.loaded.config.vocab_size:
             raise ValueError(f"request {request_id!r}: token ids must be in [0, {self.loaded.config.vocab_size})")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
@@ -93,16 +105,20 @@ class Engine:
             raise ValueError(f"request {request_id!r}: stop strings need detokenize=True")
         req = Request(
             request_id=request_id,
-            token_ids=list(prompt_ids),
+            token_ids=all_ids,
             num_prompt_tokens=len(prompt_ids),
             params=params,
             keys=self.hash_keys(tenant_salt, adapter),
             block_size=self.block_size,
             arrival_time=time.monotonic(),
             generator=make_generator(params),
+            use_cache=use_cache,
         )
         if params.detokenize:
             req.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, params.stop)
+            for tok in generated:  # prime: text and stop-string state continue where the first worker was
+                req.detokenizer.add(tok)
+            req.detokenizer.take_delta(False)
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -120,8 +136,14 @@ class Engine:
 
     # --- one step ------------------------------------------------------
 
+    def pin(self, hashes: Sequence[BlockHash], until: float) -> int:
+        """Keep the leading cached run of `hashes` until `until` (unix seconds); returns how many blocks."""
+        return self.pins.pin(hashes, until)
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self.pins:
+            self.pins.expire(time.time())
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled:

@@ -152,6 +152,10 @@ class PrefixCache:
                 info.last_access = now
                 self._evictable.add(block.block_id, info, now)
 
+    def acquire(self, block: Block) -> None:
+        """Take a reference on one cached block (it leaves the evictable set while held)."""
+        self._take(block, self._clock())
+
     def touch(self, block: Block) -> None:
         """Take one more reference on a block (cached or not) that is already in use."""
         self.pool.incref(block)

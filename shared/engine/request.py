@@ -68,6 +68,7 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    use_cache: bool = True  # False: never attach cached blocks (a cold recompute, e.g. the cache audit)
 
     def __post_init__(self) -> None:
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.keys)

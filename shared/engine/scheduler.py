@@ -118,7 +118,7 @@ class Scheduler:
         """Attach the cached prefix and blocks for the first chunk; 0 if it does not fit now."""
         bs = self.block_size
         # At least one token must be computed to get logits: never hit the whole sequence.
-        max_hit_blocks = (req.num_tokens - 1) // bs if self.settings.enable_prefix_caching else 0
+        max_hit_blocks = (req.num_tokens - 1) // bs if self.settings.enable_prefix_caching and req.use_cache else 0
         hashes = req.block_hashes[:max_hit_blocks]
         hit = self.cache.lookup(hashes, req.token_ids)
         hit_tokens = len(hit) * bs

@@ -87,6 +87,7 @@ class DecodeJob(Message):
     prompt_tokens: int = Field(ge=1)
     cached_tokens: int = Field(default=0, ge=0)  # prompt tokens the prefill did not compute
     deadline: float
+    cache_created_tokens: int = Field(default=0, ge=0)  # reported on the final TokenEvent (pins written by prefill)
 
 
 class TokenEvent(Message):

@@ -1,0 +1,116 @@
+"""The decode worker: resolve the handed-off blocks, decode with continuous batching, stream tokens.
+
+For each `DecodeJob` (a prefill handoff, or the ingress migrating a request
+here with every token delivered so far in `generated`), idempotent on
+request_id + attempt:
+1. the leading handles already in its engine (L1: e.g. last turn's blocks)
+   are used as they are; the rest are resolved with the `Resolver` (own L2,
+   the owner's shared memory, the owner over NATS, L3) up to the first that
+   cannot be, and imported; everything after that is recomputed (same tokens);
+2. the request continues from prompt + generated (TokenEvent seq =
+   len(generated) + i; text and stop strings continue from `generated`);
+3. at the end the full blocks of prompt + output go to its L2 and the L3
+   upload queue (so turn N+1 hits turn N's answer), then the final event is
+   published and the job acked. A newer attempt of the same request arriving
+   here supersedes this one (it stops without a final event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from shared.bus.consumer import PermanentError
+from shared.bus.publish import Publisher
+from shared.config import WorkerSettings
+from shared.engine.kv_block import KVBlock
+from shared.log import get_logger
+from shared.protocol.serving import DecodeJob
+from shared.serving.audit import AuditCase, CacheAudit
+from shared.serving.engine_loop import RequestSpec
+from shared.serving.ledger import JobLedger, run_once
+from shared.serving.runtime import WorkerRuntime
+from shared.serving.token_stream import TokenStream
+from shared.tiers.miss import Tier
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DecodeWorker:
+    worker_id: str
+    rt: WorkerRuntime
+    publisher: Publisher
+    audit: CacheAudit | None = None
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+    ledger: JobLedger = field(default_factory=JobLedger)
+    _engine_ids: dict[str, str] = field(default_factory=dict)  # request id -> engine id of the run here
+
+    def __post_init__(self) -> None:
+        self.ledger.remember = self.settings.remember_finished
+
+    async def handle(self, job: DecodeJob, msg: Msg | None = None) -> None:
+        await run_once(self.ledger, job.request_id, job.attempt, lambda: self._run(job))
+
+    async def _run(self, job: DecodeJob) -> None:
+        try:
+            salt = bytes.fromhex(job.tenant_salt)
+        except ValueError as exc:
+            raise PermanentError(f"bad job: {exc}") from None
+        engine = self.rt.engine
+        stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, len(job.generated),
+                             job.prompt_tokens, job.cached_tokens)
+        if time.time() >= job.deadline:
+            await stream.finish("error", error="deadline passed before decode started")
+            return
+        blocks, sources = await self._resolve(job, salt)
+        engine_id = f"{job.request_id}:{job.attempt}:decode"
+        older = self._engine_ids.pop(job.request_id, None)
+        if older is not None:
+            engine.abort(older)  # superseded by this attempt
+        self._engine_ids[job.request_id] = engine_id
+        spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(), salt, generated=job.generated,
+                           blocks=blocks)
+        try:
+            out = await asyncio.wait_for(engine.run_request(spec, lambda o: stream.add(o.new_token_ids, o.text_delta)),
+                                         job.deadline - time.time())
+        except ValueError as exc:
+            await stream.finish("error", error=str(exc), retriable=False)
+            return
+        except TimeoutError:
+            await stream.finish("error", error="deadline passed during decode")
+            return
+        finally:
+            if self._engine_ids.get(job.request_id) == engine_id:
+                del self._engine_ids[job.request_id]
+        if self.ledger.superseded(job.request_id, job.attempt):
+            stream.cancel()
+            return
+        full = job.prompt_ids + out.token_ids
+        produced = await engine.call(lambda e: e.export_blocks(e.block_hashes(full, salt)))
+        self.rt.tiers.register(produced, job.tenant_salt)
+        await stream.finish(out.finish_reason, cache_created_tokens=job.cache_created_tokens)
+        log.info("decoded", request_id=job.request_id, attempt=job.attempt, output_tokens=len(out.token_ids),
+                 resumed_from=len(job.generated), sources={t.value: n for t, n in sources.items() if n},
+                 registered_blocks=len(produced))
+        if self.audit is not None and out.finish_reason in ("stop", "length"):
+            case = AuditCase(job.request_id, job.prompt_ids, job.sampling.to_params(), salt, out.token_ids)
+            self.audit.consider(case, max(job.cached_tokens, out.cached_tokens))
+
+    async def _resolve(self, job: DecodeJob, salt: bytes) -> tuple[list[KVBlock], Counter]:
+        """Blocks for the handles after those already in the engine, up to the first unresolvable one."""
+        prompt, n = job.prompt_ids, len(job.handles)
+        l1 = await self.rt.engine.call(lambda e: len(e.cache.lookup(e.block_hashes(prompt, salt)[:n], prompt)))
+        sources: Counter = Counter({Tier.L1: l1})
+        blocks: list[KVBlock] = []
+        for handle in job.handles[l1:]:
+            res = await self.rt.tiers.resolver.resolve(handle)
+            if res.block is None:
+                break
+            blocks.append(res.block)
+            sources[res.tier] += 1
+        return blocks, sources

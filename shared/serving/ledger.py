@@ -1,0 +1,95 @@
+"""Which jobs this worker has run: the idempotency of prefill and decode handlers.
+
+JetStream delivers at least once, so the same (request_id, attempt) can
+arrive again: after a lost ack, or while the first delivery still runs.
+`JobLedger.claim` says what to do with a delivery: run it, wait for the
+run already in progress (and then ack), or ack at once because it already
+finished here. A newer attempt of a request supersedes an older one still
+running on this worker (the older one's output is no longer wanted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Claim(Enum):
+    RUN = "run"  # first delivery of this attempt here: do the work
+    WAIT = "wait"  # the same attempt is running here now: wait for it, then ack
+    DONE = "done"  # finished here before, or a newer attempt exists: ack, do nothing
+
+
+@dataclass(slots=True)
+class _Run:
+    attempt: int
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    superseded: bool = False
+
+
+@dataclass
+class JobLedger:
+    remember: int = 4096
+    _running: dict[str, _Run] = field(default_factory=dict)
+    _finished: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> highest attempt done
+
+    def claim(self, request_id: str, attempt: int) -> Claim:
+        done = self._finished.get(request_id)
+        if done is not None and done >= attempt:
+            return Claim.DONE
+        run = self._running.get(request_id)
+        if run is not None:
+            if run.attempt == attempt:
+                return Claim.WAIT
+            if run.attempt > attempt:
+                return Claim.DONE
+            run.superseded = True
+        self._running[request_id] = _Run(attempt)
+        return Claim.RUN
+
+    async def wait(self, request_id: str) -> None:
+        run = self._running.get(request_id)
+        if run is not None:
+            await run.finished.wait()
+
+    def superseded(self, request_id: str, attempt: int) -> bool:
+        """True when a newer attempt of the request took over on this worker."""
+        run = self._running.get(request_id)
+        return run is not None and run.attempt != attempt
+
+    def release(self, request_id: str, attempt: int, finished: bool) -> None:
+        """End this worker's run of (request_id, attempt); `finished` = it completed (redeliveries are acked)."""
+        run = self._running.get(request_id)
+        if run is not None and run.attempt == attempt:
+            del self._running[request_id]
+            run.finished.set()
+        if finished:
+            self._finished[request_id] = max(attempt, self._finished.get(request_id, -1))
+            self._finished.move_to_end(request_id)
+            while len(self._finished) > self.remember:
+                self._finished.popitem(last=False)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+
+async def run_once(ledger: JobLedger, request_id: str, attempt: int, work) -> bool:
+    """Run `work()` unless this attempt already ran (or runs) here; False when it was skipped.
+
+    A delivery that finds the same attempt running waits for that run; if the
+    run failed (the message was nak'ed), this delivery runs it instead.
+    """
+    while (claim := ledger.claim(request_id, attempt)) is Claim.WAIT:
+        await ledger.wait(request_id)
+    if claim is Claim.DONE:
+        return False
+    finished = False
+    try:
+        await work()
+        finished = True
+    finally:
+        ledger.release(request_id, attempt, finished)
+    return True

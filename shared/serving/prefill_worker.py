@@ -1,0 +1,121 @@
+"""The prefill worker: reach the longest cached prefix, compute the rest, hand decode the blocks.
+
+For each `PrefillJob` (idempotent on request_id + attempt):
+1. import the longest prefix it can reach (shared/serving/prefix_reach.py);
+2. run the prompt for one token (the first token);
+3. register the prompt's full blocks in its L2 (+ queued L3 upload) and pin
+   what the job's `pins` ask for;
+4. publish TokenEvent seq 0, then the `DecodeJob` (handles + first token)
+   to `handoff(decode_worker)`; the job is acked once that publish is.
+If the first token ends the request (eos, stop string, max_tokens 1) the
+seq-0 event is final and nothing is handed off. A named-cache job
+(`prefill_only`) writes its blocks to L3 with its TTL, waits for the write
+and reports with one final event without tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from shared.bus.consumer import PermanentError
+from shared.bus.publish import Publisher
+from shared.config import WorkerSettings
+from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
+from shared.serving.engine_loop import RequestSpec
+from shared.serving.ledger import JobLedger, run_once
+from shared.serving.pinning import apply_pins
+from shared.serving.prefix_reach import reach_prefix
+from shared.serving.runtime import WorkerRuntime
+from shared.serving.token_stream import publish_event
+
+log = get_logger(__name__)
+
+
+@dataclass
+class PrefillWorker:
+    worker_id: str
+    rt: WorkerRuntime
+    publisher: Publisher
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+    ledger: JobLedger = field(default_factory=JobLedger)
+
+    def __post_init__(self) -> None:
+        self.ledger.remember = self.settings.remember_finished
+
+    async def handle(self, job: PrefillJob, msg: Msg | None = None) -> None:
+        await run_once(self.ledger, job.request_id, job.attempt, lambda: self._run(job))
+
+    def _event(self, job: PrefillJob, **kw) -> TokenEvent:
+        return TokenEvent(request_id=job.request_id, attempt=job.attempt, seq=0, prompt_tokens=len(job.prompt_ids),
+                          worker_id=self.worker_id, **kw)
+
+    async def _fail(self, job: PrefillJob, error: str, retriable: bool) -> None:
+        log.warning("prefill failed", request_id=job.request_id, attempt=job.attempt, error=error)
+        await publish_event(self.publisher, self._event(job, finished=True, finish_reason="error", error=error,
+                                                        retriable=retriable))
+
+    async def _run(self, job: PrefillJob) -> None:
+        try:
+            salt = bytes.fromhex(job.tenant_salt)
+            subjects.token(job.decode_worker)
+        except ValueError as exc:
+            raise PermanentError(f"bad job: {exc}") from None
+        if time.time() >= job.deadline:
+            await self._fail(job, "deadline passed before prefill started", retriable=True)
+            return
+        engine = self.rt.engine
+        peers = self.rt.peers.ids() if self.settings.probe_peers else []
+        reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt)
+        spec = RequestSpec(f"{job.request_id}:{job.attempt}:prefill", job.prompt_ids, job.sampling.to_params(max_tokens=1),
+                           salt, blocks=reach.blocks)
+        try:
+            out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
+        except ValueError as exc:
+            await self._fail(job, str(exc), retriable=False)
+            return
+        except TimeoutError:
+            await self._fail(job, "deadline passed during prefill", retriable=True)
+            return
+        blocks = await engine.call(lambda e: e.export_blocks(reach.hashes))
+        handles, chain = self.rt.tiers.register(blocks, job.tenant_salt)
+        created = await apply_pins(engine, self.rt.tiers, job.pins, reach.hashes, out.cached_tokens)
+        log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
+                 cached_tokens=out.cached_tokens, sources={t.value: n for t, n in reach.sources.items() if n},
+                 handles=len(handles))
+        if job.prefill_only:
+            await self._named_cache(job, chain, out.cached_tokens, created)
+            return
+        first = out.token_ids[0]
+        usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
+        if out.finish_reason == "stop" or job.sampling.max_tokens == 1:
+            await publish_event(self.publisher, self._event(job, token_ids=[first], text=out.text, finished=True,
+                                                            finish_reason=out.finish_reason, **usage))
+            return
+        detok = IncrementalDetokenizer(self.rt.loaded.tokenizer, job.prompt_ids, job.sampling.stop)
+        detok.add(first)
+        # The decode worker primes its detokenizer with this token and continues from the same point.
+        await publish_event(self.publisher, self._event(job, token_ids=[first], text=detok.take_delta(False), **usage))
+        handoff = DecodeJob(
+            request_id=job.request_id, attempt=job.attempt, session_id=job.session_id, tenant=job.tenant,
+            tenant_salt=job.tenant_salt, prompt_ids=job.prompt_ids, generated=[first], sampling=job.sampling,
+            handles=handles, prompt_tokens=len(job.prompt_ids), cached_tokens=out.cached_tokens,
+            deadline=job.deadline, cache_created_tokens=created,
+        )
+        await self.publisher.publish(subjects.handoff(job.decode_worker), handoff,
+                                     msg_id=f"{job.request_id}:{job.attempt}")
+
+    async def _named_cache(self, job: PrefillJob, chain: list, cached: int, created: int) -> None:
+        ttl = max((p.ttl_s for p in job.pins), default=self.rt.tiers.l3.ttl_s if self.rt.tiers.l3 else 0.0)
+        ok = await asyncio.wait_for(self.rt.tiers.write_l3_now(chain, job.tenant_salt, ttl), self.settings.l3_wait_s)
+        if not ok:
+            await self._fail(job, "named cache not written to L3 (object storage unavailable)", retriable=True)
+            return
+        await publish_event(self.publisher, self._event(job, finished=True, finish_reason="stop", cached_tokens=cached,
+                                                        cache_created_tokens=created))

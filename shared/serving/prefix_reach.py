@@ -1,0 +1,89 @@
+"""The longest prefix of a prompt this worker can reach, and the blocks to import for it.
+
+Order: the engine's own pool (L1), then block by block this worker's L2 or
+a same-host peer's shared-memory L2 (peers from heartbeats), then L3 chunk
+by chunk from the first block still missing. Only blocks a request can use
+count: at least the last prompt token is always computed, so a prompt of n
+tokens reaches at most (n - 1) // block_size blocks. Whatever is not
+reached is simply computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.engine.kv_block import KVBlock
+from shared.serving.engine_loop import EngineLoop
+from shared.serving.worker_tiers import WorkerTiers, namespace_for
+from shared.tiers.miss import Miss, Tier
+
+
+@dataclass(slots=True)
+class Reach:
+    hashes: list[bytes]  # chained hashes of the prompt's full blocks
+    l1_blocks: int  # leading blocks already in the engine
+    blocks: list[KVBlock] = field(default_factory=list)  # the run right after them, to import
+    sources: Counter = field(default_factory=Counter)  # Tier -> blocks found there
+
+    @property
+    def reached_blocks(self) -> int:
+        return self.l1_blocks + len(self.blocks)
+
+
+async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequence[str], prompt_ids: list[int],
+                       tenant_salt: str) -> Reach:
+    salt = bytes.fromhex(tenant_salt)
+
+    def look(e) -> tuple[list[bytes], int]:
+        hashes = e.block_hashes(prompt_ids, salt)
+        usable = hashes[: (len(prompt_ids) - 1) // e.block_size]
+        return hashes, len(e.cache.lookup(usable, prompt_ids))
+
+    hashes, l1 = await engine.call(look)
+    usable = (len(prompt_ids) - 1) // engine.engine.block_size
+    reach = Reach(hashes=list(hashes), l1_blocks=l1)
+    reach.sources[Tier.L1] = l1
+    i = l1
+    while i < usable:
+        block = await _from_host(tiers, peer_ids, hashes[i])
+        if block is None:
+            break
+        tier, kb = block
+        reach.blocks.append(kb)
+        reach.sources[tier] += 1
+        i += 1
+    if i < usable and tiers.l3 is not None:
+        found = await asyncio.to_thread(_from_l3, tiers, tenant_salt, hashes[:usable], i)
+        reach.blocks += found
+        reach.sources[Tier.L3] += len(found)
+    return reach
+
+
+async def _from_host(tiers: WorkerTiers, peer_ids: Sequence[str], block_hash: bytes) -> tuple[Tier, KVBlock] | None:
+    got = tiers.l2.get(block_hash)
+    if not isinstance(got, Miss):
+        return Tier.L2, got.to_kv_block()
+    for peer in peer_ids:
+        got = await tiers.shm_peers.fetch(peer, block_hash)
+        if not isinstance(got, Miss):
+            return Tier.PEER, got.to_kv_block()
+    return None
+
+
+def _from_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], start: int) -> list[KVBlock]:
+    """Blocks start.. of the chain from L3, chunk by chunk, until a chunk is missing."""
+    store = tiers.l3
+    assert store is not None
+    ns = namespace_for(tenant_salt)
+    out: list[KVBlock] = []
+    for positions in store.chunk_ranges(len(hashes)):
+        if positions[-1] < start:
+            continue
+        chunk = store.get_chunk(store.key(ns, hashes[positions[-1]]))
+        if isinstance(chunk, Miss) or [b.header.block_hash for b in chunk] != [hashes[p] for p in positions]:
+            break
+        out += [b.to_kv_block() for p, b in zip(positions, chunk) if p >= start]
+    return out

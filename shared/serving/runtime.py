@@ -1,0 +1,62 @@
+"""What a prefill or decode worker process holds: the model on its engine thread, its tiers, its peers.
+
+`WorkerRuntime.start(ctx)` loads `KVMESH_MODEL_DIR` (off the event loop),
+starts the engine thread, the tiers (L2, L3 uploads, peer fetch server)
+and the peer directory, and wires readiness (engine thread alive), load
+(live requests) and capacity (`engine.max_num_seqs`) into the service
+context; everything is closed by the runner's stop hooks after the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+from shared.cache_policy.registry import get_policy
+from shared.engine.engine import Engine
+from shared.engine.loader import LoadedModel, load_model
+from shared.protocol.streams import ConsumerSpec
+from shared.service.runner import ServiceContext
+from shared.serving.engine_loop import EngineLoop
+from shared.serving.peers import PeerDirectory
+from shared.serving.worker_tiers import WorkerTiers
+
+# Jobs end by their own deadline (the ingress sets it); the consumer's hung-handler guard only backs it up.
+_HANDLER_TIMEOUT_S = 3600.0
+
+
+def job_consumer(spec: ConsumerSpec) -> ConsumerSpec:
+    return replace(spec, handler_timeout_s=_HANDLER_TIMEOUT_S)
+
+
+@dataclass
+class WorkerRuntime:
+    loaded: LoadedModel
+    engine: EngineLoop
+    tiers: WorkerTiers
+    peers: PeerDirectory
+
+    @classmethod
+    async def start(cls, ctx: ServiceContext) -> WorkerRuntime:
+        s = ctx.settings
+        if s.model_dir is None:
+            raise RuntimeError("KVMESH_MODEL_DIR is not set: a worker needs a checkpoint dir")
+        loaded = await asyncio.to_thread(load_model, s.model_dir, s.engine.dtype, s.engine.device)
+        engine = EngineLoop(Engine(loaded, s.engine, get_policy(s.engine.eviction_policy)))
+        engine.start()
+        tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size)
+        peers = PeerDirectory(ctx.js, ctx.worker_id)
+        peers.start()
+        rt = cls(loaded, engine, tiers, peers)
+        ctx.ready_check = lambda: engine.alive
+        ctx.load = lambda: float(engine.active)
+        ctx.capacity = float(s.engine.max_num_seqs)
+        ctx.on_stop.append(rt.close)
+        return rt
+
+    async def close(self) -> None:
+        await self.peers.stop()
+        if self.tiers.uploads is not None:
+            await self.tiers.uploads.join(timeout_s=5.0)  # what is queued goes out before the process ends
+        await self.tiers.close()
+        await asyncio.to_thread(self.engine.stop)

@@ -1,0 +1,43 @@
+"""The `setup` of the prefill and decode services: a runtime, a worker, its consumers.
+
+Each worker takes jobs from its own durable consumers (jobs addressed to it)
+and from its role's shared queue (`any`); all settings come from the
+environment (shared/config.py), the model from `KVMESH_MODEL_DIR`.
+"""
+
+from __future__ import annotations
+
+from shared.bus.consumer import typed
+from shared.protocol import subjects
+from shared.protocol.serving import DecodeJob, PrefillJob
+from shared.protocol.streams import DECODE_ANY, HANDOFF, HANDOFF_ANY, JOBS, PREFILL_ANY, worker_consumer
+from shared.service.runner import ServiceContext
+from shared.serving.audit import CacheAudit
+from shared.serving.decode_worker import DecodeWorker
+from shared.serving.prefill_worker import PrefillWorker
+from shared.serving.runtime import WorkerRuntime, job_consumer
+
+
+async def setup_prefill(ctx: ServiceContext) -> None:
+    rt = await WorkerRuntime.start(ctx)
+    worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers)
+    handler = typed(PrefillJob, worker.handle)
+    own = worker_consumer(JOBS, "prefill", ctx.worker_id, subjects.jobs_prefill(ctx.worker_id))
+    for spec in (own, PREFILL_ANY):
+        ctx.add_consumer(job_consumer(spec), handler)
+
+
+async def setup_decode(ctx: ServiceContext) -> None:
+    rt = await WorkerRuntime.start(ctx)
+    audit = CacheAudit(rt.engine, ctx.settings.audit_rate, ctx.metrics.registry)
+    ctx.on_stop.insert(0, audit.close)
+    worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)
+    handler = typed(DecodeJob, worker.handle)
+    specs = (
+        worker_consumer(HANDOFF, "handoff", ctx.worker_id, subjects.handoff(ctx.worker_id)),
+        worker_consumer(JOBS, "decode", ctx.worker_id, subjects.jobs_decode(ctx.worker_id)),
+        HANDOFF_ANY,
+        DECODE_ANY,
+    )
+    for spec in specs:
+        ctx.add_consumer(job_consumer(spec), handler)

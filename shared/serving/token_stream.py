@@ -1,0 +1,82 @@
+"""A request's output on `subjects.tokens(request_id)`, published in order.
+
+Outputs arrive from the engine thread faster than JetStream acks; whatever
+piles up while one publish is in flight goes out as the next event (several
+tokens, `seq` of the first), so the stream never falls behind the engine
+and events stay in seq order. `finish` publishes what is left as the final
+event. Message ids are (request, attempt, seq, count, final): a retried
+publish is dropped by the stream; a redelivered job that runs again sends
+the same ids for the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from shared.bus.publish import Publisher
+from shared.protocol import subjects
+from shared.protocol.serving import TokenEvent
+
+
+def event_msg_id(ev: TokenEvent) -> str:
+    return f"{ev.request_id}:{ev.attempt}:{ev.seq}:{len(ev.token_ids)}:{int(ev.finished)}"
+
+
+async def publish_event(publisher: Publisher, ev: TokenEvent) -> None:
+    await publisher.publish(subjects.tokens(ev.request_id), ev, msg_id=event_msg_id(ev))
+
+
+@dataclass
+class TokenStream:
+    publisher: Publisher
+    request_id: str
+    attempt: int
+    worker_id: str
+    next_seq: int  # seq of the next token to publish
+    prompt_tokens: int
+    cached_tokens: int
+    _ids: list[int] = field(default_factory=list)
+    _text: str = ""
+    _final: dict | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self, token_ids: list[int], text: str) -> None:
+        """Queue tokens (called on the event loop, in engine order)."""
+        self._ids += token_ids
+        self._text += text
+        self._wake.set()
+
+    async def finish(self, reason: str | None, error: str | None = None, retriable: bool = True,
+                     cache_created_tokens: int = 0) -> None:
+        """Publish what is left as the final event; raises if a publish failed for good."""
+        self._final = {"finish_reason": reason, "error": error, "retriable": retriable,
+                       "cache_created_tokens": cache_created_tokens}
+        self._wake.set()
+        assert self._task is not None
+        await self._task
+
+    def cancel(self) -> None:
+        """Stop without a final event (the request was handed to a newer attempt)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            final = self._final
+            if self._ids or final is not None:
+                ids, text = self._ids, self._text
+                self._ids, self._text = [], ""
+                ev = TokenEvent(request_id=self.request_id, attempt=self.attempt, seq=self.next_seq, token_ids=ids,
+                                text=text, finished=final is not None, prompt_tokens=self.prompt_tokens,
+                                cached_tokens=self.cached_tokens, worker_id=self.worker_id, **(final or {}))
+                self.next_seq += len(ids)
+                await publish_event(self.publisher, ev)
+            if final is not None:
+                return

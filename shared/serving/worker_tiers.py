@@ -1,0 +1,115 @@
+"""A worker's tiers below the engine: its L2, its L3 store and upload queue, its peer clients.
+
+`register` is how finished blocks leave the engine: each goes into this
+worker's L2 (shared memory, so same-host peers map it) and the whole chain
+is queued for L3 (chunk keys are positional, so a chain always goes from its
+first block). The handles it returns name this worker's L2 copy; a decode
+worker resolves them through its `Resolver` (own L2, the owner's shared
+memory, the owner over NATS, L3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+from nats.aio.client import Client as NATS
+
+from shared.config import Settings
+from shared.engine.kv_block import KVBlock
+from shared.log import get_logger
+from shared.tiers.block_format import encode_kv_block
+from shared.tiers.factory import build_host_tier, build_l3_store
+from shared.tiers.handle import BlockHandle
+from shared.tiers.l2_host import HostTier
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import MissCounters
+from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from shared.tiers.peer_shm import ShmPeerClient
+from shared.tiers.resolver import Resolver
+from shared.tiers.upload_queue import UploadQueue
+
+log = get_logger(__name__)
+
+
+def namespace_for(tenant_salt: str) -> str:
+    """The L3 namespace of a tenant: derived from its salt (never from anything a client sent)."""
+    return f"t-{tenant_salt[:32]}" if tenant_salt else "shared"
+
+
+@dataclass
+class WorkerTiers:
+    worker_id: str
+    l2: HostTier
+    l3: L3Store | None
+    uploads: UploadQueue | None
+    shm_peers: ShmPeerClient  # same host only: probing many peers must cost no network round trip
+    resolver: Resolver  # own L2 -> the owner (shared memory, then NATS) -> L3
+    counters: MissCounters
+    _peer_server: NatsPeerServer | None = None
+    _peer_client: NatsPeerClient | None = None
+    _l3_ready: bool = field(default=False)
+
+    @classmethod
+    async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int) -> WorkerTiers:
+        counters = MissCounters()
+        l2 = build_host_tier(settings, fingerprint, worker_id, counters)
+        l3 = build_l3_store(settings, fingerprint, block_size, counters)
+        uploads = None
+        if l3 is not None:
+            uploads = UploadQueue(l3, settings.tiers.l3_upload_queue_bytes)
+            uploads.start()
+        server = NatsPeerServer(nc, l2, worker_id)
+        await server.start()
+        client = NatsPeerClient(nc, fingerprint, counters, timeout_s=settings.tiers.peer_timeout_s)
+        await client.start()
+        shm = ShmPeerClient(fingerprint, counters)
+        resolver = Resolver(worker_id, l1=None, l2=l2, peers=ShmPeerClient(fingerprint, counters, client), l3=l3,
+                            counters=counters)
+        return cls(worker_id, l2, l3, uploads, shm, resolver, counters, server, client)
+
+    async def close(self) -> None:
+        if self.uploads is not None:
+            await self.uploads.close()
+        if self._peer_server is not None:
+            await self._peer_server.stop()
+        if self._peer_client is not None:
+            await self._peer_client.close()
+        self.l2.close()
+
+    def register(self, blocks: list[KVBlock], tenant_salt: str) -> tuple[list[BlockHandle], list]:
+        """Put a chain (position 0 first) into L2 and queue it for L3; its handles and encoded blocks.
+
+        A block L2 cannot take (pinned full) ends the handles: a decode worker recomputes from there.
+        """
+        handles: list[BlockHandle] = []
+        chain: list = []
+        for kb in blocks:
+            handle = self.l2.handle(kb.block_hash)
+            encoded = self.l2.get_encoded(kb.block_hash) if handle is not None else None
+            if handle is None or not isinstance(encoded, memoryview):
+                encoded = encode_kv_block(kb, self.l2.fingerprint)
+                put = self.l2.put_encoded(encoded)
+                handle = put.handle if put.stored else None
+            chain.append(encoded)
+            if handle is not None and len(handles) == len(chain) - 1:
+                handles.append(handle)
+        if self.uploads is not None and chain:
+            self.uploads.submit(namespace_for(tenant_salt), chain)
+        return handles, chain
+
+    def pin(self, hashes: list[bytes], until_monotonic: float) -> None:
+        for h in hashes:
+            self.l2.pin(h, until_monotonic)
+
+    async def write_l3_now(self, chain: list, tenant_salt: str, ttl_s: float) -> bool:
+        """Write a chain to L3 with its own TTL in the object metadata and wait for it (named caches)."""
+        if self.l3 is None:
+            return False
+        store = replace(self.l3, ttl_s=int(ttl_s))
+        try:
+            await asyncio.to_thread(store.put_chain, namespace_for(tenant_salt), chain)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as "not durable"
+            log.warning("L3 write failed", error=repr(exc))
+            return False
+        return True

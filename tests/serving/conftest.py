@@ -1,0 +1,34 @@
+"""Fixtures for worker-level serving tests: a tiny model, the env a worker process gets, and a reference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import EngineSettings
+from shared.engine.presets import write_preset
+
+from .harness import BLOCK_SIZE
+
+
+@pytest.fixture(scope="session")
+def serving_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_preset(tmp_path_factory.mktemp("serving-tiny"), "tiny", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(serving_model_dir: Path):
+    """`generate(prompt_ids, max_tokens) -> output ids`: a fresh in-process engine per call, greedy (the reference)."""
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load_model
+    from shared.engine.sampling import SamplingParams
+
+    loaded = load_model(serving_model_dir)
+
+    def generate(prompt_ids: list[int], max_tokens: int, **kw) -> list[int]:
+        engine = Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=512))
+        return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, **kw))[0].token_ids
+
+    generate.tokenizer = loaded.tokenizer
+    return generate

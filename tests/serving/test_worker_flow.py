@@ -1,0 +1,185 @@
+"""Prefill and decode workers as real processes, driven over NATS the way the ingress drives them.
+
+One module-scoped set: prefill `pf-0`, decode `dc-0` and `dc-1` (audit rate 1.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from bus.helpers import FAST_BUS, connected
+
+from shared.bus.publish import Publisher
+from shared.protocol import subjects
+from shared.protocol.serving import CachePin, DecodeJob, SamplingSpec
+from shared.serving.worker_tiers import namespace_for
+
+from .harness import BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+
+pytestmark = pytest.mark.timeout(240)
+
+BUCKET = "kvmesh-serving-flow"
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, s3_server, serving_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
+    asyncio.run(_declare(nats_server.url))
+    s3_server.ensure_bucket(BUCKET)
+    state = tmp_path_factory.mktemp("serving-flow")
+    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, serving_model_dir, state, audit_rate=1.0),
+                        state / "logs")
+    try:
+        procs.start("prefill", unique("pf-"))
+        procs.start("decode", unique("dc-"))
+        procs.start("decode", unique("dc-"))
+        procs.wait_ready()
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+async def _declare(url: str) -> None:
+    async with connected(url):
+        pass
+
+
+def _ids(stack: WorkerProcs) -> tuple[str, str, str]:
+    pf, dc0, dc1 = list(stack.procs)
+    return pf, dc0, dc1
+
+
+async def _run(nc, prefill_worker: str, job) -> TokenCollector:
+    """Subscribe to the request's tokens, then publish its job (the ingress's order)."""
+    coll = await TokenCollector(job.request_id).subscribe(nc)
+    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(prefill_worker), job,
+                                                      msg_id=f"{job.request_id}:{job.attempt}")
+    return coll
+
+
+def _prompt(reference, text: str) -> list[int]:
+    return reference.tokenizer.encode(text)
+
+
+async def test_two_turns_hit_previous_answer_and_match_reference(stack, nats_server, reference):
+    pf, dc0, dc1 = _ids(stack)
+    p1 = _prompt(reference, "The system prompt says: be brief. User: tell me about the harbour at dawn, please. " * 2)
+    async with connected(nats_server.url) as nc:
+        c1 = await _run(nc, pf, prefill_job(unique(), p1, dc0, max_tokens=24))
+        f1 = await c1.wait_final()
+        out1 = c1.ordered
+        assert f1.finish_reason in ("stop", "length") and f1.error is None
+        assert out1 == reference(p1, 24)
+        assert f1.prompt_tokens == len(p1)
+        # Turn 2 extends turn 1's prompt and answer; it goes to the other decode worker.
+        p2 = p1 + out1 + _prompt(reference, " User: and at night?")
+        c2 = await _run(nc, pf, prefill_job(unique(), p2, dc1, max_tokens=16))
+        f2 = await c2.wait_final()
+        assert c2.ordered == reference(p2, 16)
+        computed_turn1 = len(p1) + len(out1) - 1  # the last sampled token never had its K/V computed
+        assert f2.cached_tokens >= computed_turn1 // BLOCK_SIZE * BLOCK_SIZE > len(p1) // BLOCK_SIZE * BLOCK_SIZE
+        assert c2.events[0].seq == 0 and c2.events[0].cached_tokens == f2.cached_tokens
+        await c1.close()
+        await c2.close()
+
+
+async def test_first_token_can_finish_at_prefill(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "One token only, please.")
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1))
+        final = await c.wait_final()
+        assert len(c.events) == 1 and final.seq == 0 and final.finish_reason == "length"
+        assert c.ordered == reference(prompt, 1)
+        assert final.worker_id == pf
+
+
+async def test_redelivered_job_runs_once(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "Say it once and only once, even if the job comes twice.")
+    job = prefill_job(unique(), prompt, dc0, max_tokens=8)
+    async with connected(nats_server.url) as nc:
+        c = await TokenCollector(job.request_id).subscribe(nc)
+        pub = Publisher(nc.jetstream(), FAST_BUS)
+        # Two deliveries of the same (request, attempt) under different stream ids: what a redelivery looks like.
+        await pub.publish(subjects.jobs_prefill(pf), job, msg_id=f"{job.request_id}:a")
+        await pub.publish(subjects.jobs_prefill(pf), job, msg_id=f"{job.request_id}:b")
+        await c.wait_final()
+        await asyncio.sleep(1.0)  # a second run would show up as more events by now
+        assert c.dropped == 0
+        assert sum(1 for e in c.events if e.finished) == 1
+        assert c.ordered == reference(prompt, 8)
+
+
+async def test_migration_without_reachable_blocks_recomputes(stack, nats_server, reference):
+    _, _, dc1 = _ids(stack)
+    prompt = _prompt(reference, "A request that moves to another decode worker halfway through its answer.")
+    full = reference(prompt, 20)
+    rid = unique()
+    job = DecodeJob(request_id=rid, attempt=1, tenant="t", tenant_salt=SALT_B, prompt_ids=prompt, generated=full[:7],
+                    sampling=SamplingSpec(max_tokens=20), handles=[], prompt_tokens=len(prompt), deadline=time.time() + 60)
+    async with connected(nats_server.url) as nc:
+        c = await TokenCollector(rid).subscribe(nc)
+        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_decode(dc1), job, msg_id=f"{rid}:1")
+        final = await c.wait_final()
+        assert min(e.seq for e in c.events) == 7
+        assert [c.tokens[s] for s in range(7, 20)] == full[7:]
+        assert final.finish_reason == "length"
+
+
+async def test_tenants_never_share_blocks(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "Identical words from two tenants must never share one cached block. " * 2)
+    async with connected(nats_server.url) as nc:
+        ca = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
+        fa = await ca.wait_final()
+        ca2 = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
+        fa2 = await ca2.wait_final()
+        cb = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_B))
+        fb = await cb.wait_final()
+    assert fa.cached_tokens == 0
+    assert fa2.cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # the same tenant hits
+    assert fb.cached_tokens == 0  # the other tenant does not
+    assert ca.ordered == ca2.ordered == cb.ordered
+
+
+async def test_named_cache_is_written_to_l3_and_reports_creation(stack, nats_server, s3_server, reference):
+    pf, dc0, _ = _ids(stack)
+    salt = unique("").ljust(64, "0")[:64]
+    salt = "".join(ch if ch in "0123456789abcdef" else "0" for ch in salt)
+    prompt = _prompt(reference, "A long shared system prompt that a named cache keeps for a week. " * 3)
+    pinned = len(prompt)
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1, salt=salt, prefill_only=True,
+                                       pins=[CachePin(num_tokens=pinned, ttl_s=7 * 24 * 3600.0)]))
+        final = await c.wait_final()
+    assert final.finished and final.finish_reason == "stop" and final.token_ids == []
+    assert final.cache_created_tokens == len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+    objects = list(s3_server.client().list_objects(BUCKET, recursive=True))
+    ours = [o for o in objects if f"/{namespace_for(salt)}/" in o.object_name]
+    assert ours, "the named cache's blocks are in L3 once the final event is out"
+    meta = s3_server.client().stat_object(BUCKET, ours[0].object_name).metadata
+    assert any(v == str(7 * 24 * 3600) for k, v in meta.items() if k.lower().endswith("ttl-s"))
+
+
+async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, prefill_job(unique(), [5, 6, 7], dc0, max_tokens=4, deadline_s=-1.0))
+        final = await c.wait_final()
+    assert final.finish_reason == "error" and final.retriable and final.token_ids == []
+
+
+async def test_cache_audit_counts_hits_without_mismatch(stack):
+    _, dc0, dc1 = _ids(stack)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        audited = stack.metric(dc0, "kvmesh_cache_audit_total") + stack.metric(dc1, "kvmesh_cache_audit_total")
+        if audited >= 3:
+            break
+        await asyncio.sleep(0.5)
+    assert audited >= 3
+    assert stack.metric(dc0, "kvmesh_cache_audit_mismatch_total") == 0
+    assert stack.metric(dc1, "kvmesh_cache_audit_mismatch_total") == 0
