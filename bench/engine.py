@@ -5,8 +5,9 @@
 (b) Generated tokens/s (greedy, prefill included, same prompt lengths and
     new tokens) of the engine vs HF `generate` at several batch sizes.
 (c) Bytes per token of the engine's KV pool vs 2 * L * Hkv * D * itemsize.
-Every figure is a median over `repeats` runs after a warm-up; progress goes
-to stderr, the result is one JSON object.
+Every figure is a median over `repeats` runs after a warm-up, with the
+compared cases taking turns (the machine may be shared); progress goes to
+stderr, the result is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,15 +42,21 @@ class EngineBenchConfig:
     block_size: int = 16
     repeats: int = 3
     seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(5, vocab) for _ in range(n)]
 
 
-def _median_time(fn: Callable[[int], float], repeats: int) -> float:
-    fn(-1)  # warm-up
-    return statistics.median(fn(i) for i in range(repeats))
+def _interleaved(runs: dict[str, Callable[[int], float]], repeats: int, advance: Callable[[], None]) -> dict[str, float]:
+    """Median seconds per case; the cases take turns each repeat, so load from other processes hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run(i))
+            advance()
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _engine(loaded: LoadedModel, cfg: EngineBenchConfig, cache: bool, tokens: int) -> Engine:
@@ -63,77 +70,76 @@ def _engine(loaded: LoadedModel, cfg: EngineBenchConfig, cache: bool, tokens: in
     return Engine(loaded, settings)
 
 
-def bench_ttft(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict:
-    """Seconds to the first token of a prompt whose leading fraction is cached (fresh prompt per run)."""
+def bench_ttft(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict[str, float]:
+    """Seconds to the first token of a prompt whose leading fraction is cached (a fresh prompt per run)."""
     vocab = loaded.config.vocab_size
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-    out: dict[str, float] = {}
-    task = progress.add_task("TTFT", total=(len(CACHED_FRACTIONS) + 1) * (cfg.repeats + 1))
     cases = [("cache_off", 0.0, False)] + [(f"hit_{int(f * 100)}pct", f, True) for f in CACHED_FRACTIONS]
+    task = progress.add_task("TTFT", total=len(cases) * cfg.repeats)
+    runs: dict[str, Callable[[int], float]] = {}
     for name, frac, cache in cases:
         engine = _engine(loaded, cfg, cache, 2 * cfg.prompt_tokens)
+        engine.generate([_random_prompt(random.Random(name), 256, vocab)], one)  # warm-up
 
-        def run(i: int) -> float:
+        def run(i: int, engine: Engine = engine, name: str = name, frac: float = frac) -> float:
             rng = random.Random(f"{cfg.seed}-{name}-{i}")
             prompt = _random_prompt(rng, cfg.prompt_tokens, vocab)
             cached = int(frac * cfg.prompt_tokens)
-            if cached:
+            if cached:  # an earlier request that shares the first `cached` tokens
                 engine.generate([prompt[:cached] + [rng.randrange(5, vocab)]], one)
             result = engine.generate([prompt], one)[0]
-            assert result.cached_tokens >= cached // cfg.block_size * cfg.block_size - cfg.block_size
-            progress.advance(task)
+            if result.cached_tokens < cached - cfg.block_size:
+                raise RuntimeError(f"{name}: only {result.cached_tokens} of {cached} tokens hit")
             return result.ttft
 
-        out[name] = _median_time(run, cfg.repeats)
-    return out
+        runs[name] = run
+    return _interleaved(runs, cfg.repeats, lambda: progress.advance(task))
 
 
 def _hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> None:
     ids = torch.tensor(prompts)
-    hf.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-    )
+    with torch.inference_mode():
+        hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def bench_decode(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict:
-    """Generated tokens/s for the engine and HF transformers at each batch size."""
+    """Generated tokens/s for the engine and HF transformers at each batch size (prefill included)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.config.dtype, local_files_only=True).eval()
     vocab = loaded.config.vocab_size
     params = SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True, detokenize=False)
-    task = progress.add_task("decode", total=len(cfg.batch_sizes) * 2 * (cfg.repeats + 1))
+    task = progress.add_task("decode", total=len(cfg.batch_sizes) * 2 * cfg.repeats)
     out: dict[str, dict[str, float]] = {}
     for b in cfg.batch_sizes:
         engine = _engine(loaded, cfg, False, b * (cfg.decode_prompt_tokens + cfg.decode_tokens))
 
-        def prompts(i: int) -> list[list[int]]:
+        def prompts(i: int, b: int = b) -> list[list[int]]:
             rng = random.Random(f"{cfg.seed}-decode-{b}-{i}")
             return [_random_prompt(rng, cfg.decode_prompt_tokens, vocab) for _ in range(b)]
 
-        def run_engine(i: int) -> float:
-            batch = prompts(i)
+        def timed(fn: Callable[[], object]) -> float:
             t0 = time.perf_counter()
-            engine.generate(batch, params)
-            progress.advance(task)
+            fn()
             return time.perf_counter() - t0
 
-        def run_hf(i: int) -> float:
-            batch = prompts(i)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                _hf_generate(hf, batch, cfg.decode_tokens)
-            progress.advance(task)
-            return time.perf_counter() - t0
-
+        warm = prompts(-1)
+        engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+        _hf_generate(hf, warm, 2)
+        runs: dict[str, Callable[[int], float]] = {
+            "engine": lambda i, e=engine: timed(lambda: e.generate(prompts(i), params)),
+            "hf": lambda i: timed(lambda: _hf_generate(hf, prompts(i), cfg.decode_tokens)),
+        }
+        secs = _interleaved(runs, cfg.repeats, lambda: progress.advance(task))
         tokens = b * cfg.decode_tokens
-        ours = tokens / _median_time(run_engine, cfg.repeats)
-        theirs = tokens / _median_time(run_hf, cfg.repeats)
+        ours, theirs = tokens / secs["engine"], tokens / secs["hf"]
         out[f"batch_{b}"] = {"engine_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs}
     return out
 
@@ -150,6 +156,8 @@ def bench_kv_bytes(loaded: LoadedModel, cfg: EngineBenchConfig) -> dict:
 
 def run_engine_bench(cfg: EngineBenchConfig) -> dict:
     console = Console(stderr=True)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         model_dir = cfg.model_dir
         if model_dir is None:
@@ -166,6 +174,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> dict:
     return {
         "model": "small preset" if cfg.model_dir is None else str(cfg.model_dir),
         "torch_threads": torch.get_num_threads(),
+        "repeats": cfg.repeats,
         "prompt_tokens": cfg.prompt_tokens,
         "ttft_s": ttft,
         "prefill_speedup_50pct_hit": ttft["cache_off"] / ttft["hit_50pct"],

@@ -22,6 +22,8 @@ def engine(
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the TTFT runs.")] = 2048,
     decode_tokens: Annotated[int, typer.Option(help="New tokens per sequence in the decode runs.")] = 32,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated decode batch sizes.")] = "1,8,32",
+    repeats: Annotated[int, typer.Option(help="Timed runs per case (median).")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads (0 = default); 1 is steadier on a shared machine.")] = 0,
 ) -> None:
     """Prefill TTFT vs cached fraction, decode tokens/s vs HF transformers, KV bytes per token."""
     from bench.engine import EngineBenchConfig, run_engine_bench
@@ -31,6 +33,8 @@ def engine(
         prompt_tokens=prompt_tokens,
         decode_tokens=decode_tokens,
         batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()),
+        repeats=repeats,
+        threads=threads,
     )
     result = run_engine_bench(cfg)
     typer.echo(json.dumps(result, indent=None if json_out else 2))
