@@ -149,7 +149,9 @@ ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMAND
 
 WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size=64 * 1024,
                      description="worker heartbeats, one key per worker id, expiring by TTL")
-ALL_BUCKETS: tuple[BucketSpec, ...] = (WORKERS,)
+NAMED_CACHES = BucketSpec(subjects.NAMED_CACHES_BUCKET, max_bytes=1 * GiB, max_value_size=4 * MiB,
+                          description="named caches (POST /v1/caches): tenant, content, expiry; TTL per entry")
+ALL_BUCKETS: tuple[BucketSpec, ...] = (WORKERS, NAMED_CACHES)
 
 # Shared durable consumers: the role queues any free worker takes from, and the index's event feed.
 PREFILL_ANY = ConsumerSpec(JOBS.name, "prefill-any", subjects.jobs_prefill())

@@ -122,6 +122,14 @@ def heartbeat_key(worker_id: str) -> str:
     return f"$KV.{WORKERS_BUCKET}.{token(worker_id)}"
 
 
+# Named caches (POST /v1/caches): metadata in a JetStream KV bucket, key = cache id, TTL per entry.
+NAMED_CACHES_BUCKET = "named_caches"
+
+
+def named_cache_key(cache_id: str) -> str:
+    """The raw subject of a named cache's entry (for a publish with a TTL)."""
+    return f"$KV.{NAMED_CACHES_BUCKET}.{token(cache_id)}"
+
 # Headers kvmesh sets (NATS ones are spelled by nats-py's api.Header).
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_DLQ_REASON = "Kvmesh-Dlq-Reason"
