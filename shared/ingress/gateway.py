@@ -40,6 +40,30 @@ class GenerationRequest:
 
 
 @dataclass(slots=True)
+class Usage:
+    """Usage as the first event of a request reports it (prefill knows the prompt and its cache hit),
+    and where the request ran (filled by the supervisor: the last workers and the attempts it took)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_created_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    attempts: int = 1
+
+    def take(self, event: TokenEvent) -> None:
+        if event.prompt_tokens and not self.prompt_tokens:
+            self.prompt_tokens = event.prompt_tokens
+            self.cached_tokens = event.cached_tokens
+        self.cache_created_tokens = max(self.cache_created_tokens, event.cache_created_tokens)
+
+
+def route_header(usage: Usage) -> dict[str, str]:
+    """`kvmesh-route: prefill=<id>;decode=<id>;attempts=<n>`: where a request ran, for operators and tests."""
+    return {"kvmesh-route": f"prefill={usage.prefill_worker};decode={usage.decode_worker};attempts={usage.attempts}"}
+
+
+@dataclass(slots=True)
 class Completion:
     """A whole response (non-streaming): the concatenated stream and its usage."""
 
@@ -49,6 +73,7 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int
     cache_created_tokens: int
+    usage: Usage
 
 
 class GatewayError(Exception):
@@ -59,27 +84,13 @@ class GatewayError(Exception):
         self.kind, self.message, self.retriable = kind, message, retriable
 
 
-@dataclass(slots=True)
-class Usage:
-    """Usage as the first event of a request reports it (prefill knows the prompt and its cache hit)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cache_created_tokens: int = 0
-
-    def take(self, event: TokenEvent) -> None:
-        if event.prompt_tokens and not self.prompt_tokens:
-            self.prompt_tokens = event.prompt_tokens
-            self.cached_tokens = event.cached_tokens
-        self.cache_created_tokens = max(self.cache_created_tokens, event.cache_created_tokens)
-
-
 class Gateway:
     """Runs requests over the bus; one per ingress process."""
 
     def __init__(self, nc: NATS, publisher: Publisher, table: WorkerTable, settings: IngressSettings,
-                 detokenize: Callable[[Sequence[int]], str]) -> None:
+                 detokenize: Callable[[Sequence[int]], str], on_retry: Callable[[], None] = lambda: None) -> None:
         self.nc, self.publisher, self.table, self.settings = nc, publisher, table, settings
+        self.on_retry = on_retry  # counts prefill retries and decode migrations
         self.router = Router(table, settings.worker_overload_factor)
         self.detokenize = detokenize  # text of a partly duplicated event's new tokens
         self.in_flight = 0
@@ -113,4 +124,4 @@ class Gateway:
             if event.finished:
                 finish = event.finish_reason or "stop"
         return Completion(ids, "".join(text), finish, usage.prompt_tokens, usage.cached_tokens,
-                          usage.cache_created_tokens)
+                          usage.cache_created_tokens, usage)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from shared.engine.chat_template import ChatTemplateError
 from shared.ingress.admission import Admitted, admit, budget, check_model, parse, state_of
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
-from shared.ingress.gateway import GatewayError, GenerationRequest, Usage
+from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
 from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, _Common
 from shared.ingress.sse import SSE_HEADERS, sse
 from shared.log import get_logger
@@ -120,7 +120,7 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: b
     if not body.stream:
         done = await adm.state.gateway.complete(req)
         adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
-        usage = Usage(done.prompt_tokens, done.cached_tokens, done.cache_created_tokens)
+        usage = done.usage
         _account(adm, usage, len(done.token_ids))
         if chat:
             adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
@@ -129,14 +129,14 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: b
         else:
             choice = _choice(False, done.text, done.finish_reason)
         return JSONResponse({**_envelope(req, body.model, chat, False), "choices": [choice],
-                             "usage": _usage(usage, len(done.token_ids))})
+                             "usage": _usage(usage, len(done.token_ids))}, headers=route_header(done.usage))
 
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
     return StreamingResponse(_chunks(adm, req, body, chat, usage, first, events),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **route_header(usage)})
 
 
 async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, chat: bool, usage: Usage,

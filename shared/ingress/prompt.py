@@ -52,10 +52,10 @@ class PromptBuilder:
 
     __slots__ = ("tokenizer", "memory", "_specials")
 
-    def __init__(self, tokenizer: Tokenizer, memory_capacity: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, memory_capacity: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.memory = AssistantMemory(memory_capacity)
-        self._specials = frozenset(tokenizer.eos_token_ids)
+        self._specials = frozenset((*tokenizer.eos_token_ids, *eos_token_ids))
 
     def encode(self, text: str) -> list[int]:
         """Raw text as is (completions): no template, no special tokens added."""

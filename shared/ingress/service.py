@@ -41,21 +41,25 @@ class _Server(uvicorn.Server):
         yield
 
 
-def context_length(model_dir: Path) -> int:
+def model_limits(model_dir: Path) -> tuple[int, list[int]]:
+    """The context length and eos ids from config.json (the ingress does not load the weights)."""
     config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
+    eos = config.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+    return int(config.get("max_position_embeddings", 2048)), eos_ids
 
 
 def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metrics: IngressMetrics,
                 model_dir: Path) -> IngressState:
     s = settings.ingress
     keyring = KeyRing.from_settings(settings.api_keys, s.keys_file, settings.state_dir)
+    context_len, eos_ids = model_limits(model_dir)
     if not len(keyring):
         log.warning("no API keys configured: every request will get 401 (set KVMESH_API_KEYS or the keys file)")
     return IngressState(
         settings=s, keyring=keyring, limiter=RateLimiter(s.rate_limit_per_s, s.rate_limit_burst),
-        prompts=PromptBuilder(tokenizer, s.assistant_memory), gateway=gateway, metrics=metrics,
-        model_id=s.model_id or model_dir.name, context_len=context_length(model_dir),
+        prompts=PromptBuilder(tokenizer, s.assistant_memory, eos_ids), gateway=gateway, metrics=metrics,
+        model_id=s.model_id or model_dir.name, context_len=context_len,
     )
 
 
@@ -67,8 +71,9 @@ async def setup(ctx: ServiceContext) -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     table = WorkerTable()
     watch = asyncio.create_task(table.run(ctx.js))
-    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode)
-    state = build_state(settings, gateway, tokenizer, IngressMetrics.create(ctx.metrics.registry), model_dir)
+    metrics = IngressMetrics.create(ctx.metrics.registry)
+    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc)
+    state = build_state(settings, gateway, tokenizer, metrics, model_dir)
     app = create_app(state, ctx.metrics.registry)
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
                                    log_config=None, access_log=False, lifespan="off"))

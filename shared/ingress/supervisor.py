@@ -189,6 +189,7 @@ class RequestRun:
                          tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
                          prefill_only=req.prefill_only, deadline=self._deadline)
+        self.usage.prefill_worker, self.usage.decode_worker = self.prefill_worker, self.decode_worker
         await self.gw.publisher.publish(subjects.jobs_prefill(self.prefill_worker), job,
                                         msg_id=f"{req.request_id}:{self.attempt}")
 
@@ -201,6 +202,7 @@ class RequestRun:
                         generated=list(self.generated), sampling=req.sampling,
                         prompt_tokens=len(req.prompt_ids), cached_tokens=self.usage.cached_tokens,
                         deadline=self._deadline)
+        self.usage.decode_worker = self.decode_worker
         await self.gw.publisher.publish(subjects.jobs_decode(self.decode_worker), job,
                                         msg_id=f"{req.request_id}:{self.attempt}")
 
@@ -210,6 +212,8 @@ class RequestRun:
             raise GatewayError(ErrorKind.API, f"request did not finish after {self.attempt} attempts: {reason}")
         log.warning("retrying request", request_id=self.req.request_id, stage=self.stage,
                     attempt=self.attempt, reason=reason)
+        self.gw.on_retry()
+        self.usage.attempts = self.attempt + 1
         if self.stage is Stage.PREFILL:
             await self._start_prefill(exclude=(self.prefill_worker,))
         else:

@@ -1,0 +1,162 @@
+"""The Anthropic dialect: POST /v1/messages, as the official `anthropic` SDK speaks it.
+
+Auth by `x-api-key` (a Bearer token works too); `anthropic-version` is
+accepted and not checked. The response is a `message` object with one text
+block, `stop_reason` (`end_turn` / `max_tokens` / `stop_sequence` with the
+matched `stop_sequence`) and Anthropic's cache usage (see cache_control.py).
+A stream waits for its first token before answering 200, so early failures
+are error statuses (overload: 529); a failure after that is an `error`
+event and the stream never reaches `message_stop`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shared.engine.chat_template import ChatTemplateError
+from shared.ingress.admission import Admitted, admit, budget, check_model, parse
+from shared.ingress.anthropic_models import MessagesRequest
+from shared.ingress.cache_control import (
+    CacheUsage, Conversation, Placed, cache_usage, check_breakpoints, pins, place,
+)
+from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
+from shared.ingress.gateway import GatewayError, GenerationRequest, Usage
+from shared.ingress.sse import SSE_HEADERS, sse
+from shared.log import get_logger
+from shared.protocol.serving import SamplingSpec, TokenEvent
+
+log = get_logger(__name__)
+router = APIRouter()
+
+
+async def named_prefix(adm: Admitted, cache_id: str | None) -> Conversation | None:
+    """The named cache's conversation (404 if unknown to this tenant or expired), or None."""
+    if cache_id is None:
+        return None
+    if adm.state.cache_lookup is None:
+        raise ApiError(ErrorKind.NOT_FOUND, "named caches are not enabled", param="cache_id")
+    cached = await adm.state.cache_lookup(adm.principal, cache_id)
+    return Conversation(list(cached.messages), list(cached.tools) if cached.tools else None)
+
+
+def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[GenerationRequest, list[Placed]]:
+    prompts, tenant = adm.state.prompts, adm.principal.tenant
+    try:
+        conv, breakpoints = body.conversation(prefix)
+    except ValueError as exc:
+        raise invalid(str(exc), param="system") from None
+    check_breakpoints(breakpoints)
+    try:
+        rendered = prompts.render(conv.messages, conv.tools)
+        ids = prompts.tokenize(tenant, rendered, conv.messages)
+        placed = place(prompts, tenant, conv, rendered, ids, breakpoints)
+    except ChatTemplateError as exc:
+        raise invalid(f"messages: {exc}", param="messages") from None
+    limit = budget(adm.state, len(ids), body.max_tokens)
+    sampling = SamplingSpec(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                            stop=body.stops())
+    user = body.metadata.user_id if body.metadata else None
+    req = GenerationRequest(request_id=adm.request_id, tenant=tenant, tenant_salt=adm.principal.salt,
+                            prompt_ids=ids, sampling=sampling, session_id=adm.session_id,
+                            affinity_key=adm.session_id or user, pins=pins(placed))
+    return req, placed
+
+
+def stop_reason(finish: str, text: str, full_text: str, stops: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): `full_text` decodes every generated id, stop string included."""
+    if finish == "length":
+        return "max_tokens", None
+    found = [(full_text.find(s, max(0, len(text) - len(s))), s) for s in stops]
+    found = [(at, s) for at, s in found if at >= 0]
+    if finish == "stop" and found:
+        return "stop_sequence", min(found)[1]
+    return "end_turn", None
+
+
+def _message_id(req: GenerationRequest) -> str:
+    return "msg_" + req.request_id.removeprefix("req_")
+
+
+def _message(req: GenerationRequest, model: str, text: str | None, reason: tuple[str | None, str | None],
+             usage: dict[str, Any]) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "text", "text": text}]
+    return {"id": _message_id(req), "type": "message", "role": "assistant", "content": content, "model": model,
+            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
+
+
+def _account(adm: Admitted, usage: Usage, output_tokens: int) -> None:
+    m = adm.state.metrics
+    m.prompt_tokens.inc(usage.prompt_tokens)
+    m.cached_tokens.inc(usage.cached_tokens)
+    m.completion_tokens.inc(output_tokens)
+
+
+def _cache_usage(usage: Usage, placed: list[Placed]) -> CacheUsage:
+    return cache_usage(usage.prompt_tokens, usage.cached_tokens, placed)
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Any:
+    adm = await admit(request)
+    body = parse(MessagesRequest, adm.body)
+    check_model(adm.state, body.model)
+    req, placed = _build(adm, body, await named_prefix(adm, body.cache_id))
+    started = time.monotonic()
+    if not body.stream:
+        done = await adm.state.gateway.complete(req)
+        adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
+        usage = Usage(done.prompt_tokens, done.cached_tokens, done.cache_created_tokens)
+        _account(adm, usage, len(done.token_ids))
+        adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
+        full = adm.state.prompts.tokenizer.decode(done.token_ids)
+        reason = stop_reason(done.finish_reason, done.text, full, body.stops())
+        cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
+        return JSONResponse(_message(req, body.model, done.text, reason, cu))
+
+    usage = Usage()
+    events = adm.state.gateway.stream(req, usage).__aiter__()
+    first = await events.__anext__()  # GatewayError here is still an HTTP error status
+    adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
+    return StreamingResponse(_events(adm, req, body, placed, usage, first, events),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, placed: list[Placed], usage: Usage,
+                  first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
+    ids: list[int] = []
+    text: list[str] = []
+    try:
+        start = _message(req, body.model, None, (None, None), _cache_usage(usage, placed).to_dict(1))
+        yield sse({"type": "message_start", "message": start}, "message_start")
+        yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                  "content_block_start")
+        yield sse({"type": "ping"}, "ping")
+        event = first
+        while True:
+            ids += event.token_ids
+            text.append(event.text)
+            if event.text:
+                delta = {"type": "text_delta", "text": event.text}
+                yield sse({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
+            if event.finished:
+                break
+            event = await events.__anext__()
+        joined = "".join(text)
+        reason = stop_reason(event.finish_reason or "stop", joined, adm.state.prompts.tokenizer.decode(ids),
+                             body.stops())
+        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        yield sse({"type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
+                   "usage": {"output_tokens": len(ids)}}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+        _account(adm, usage, len(ids))
+        adm.state.prompts.remember_answer(req.tenant, joined, ids)
+    except GatewayError as exc:
+        log.warning("stream ended with an error", error=exc.message)
+        yield sse(ApiError(exc.kind, exc.message).body(Dialect.ANTHROPIC), "error")
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,174 @@
+"""Anthropic Messages request bodies and how they become a chat-template conversation.
+
+The fields follow the Messages API as the official SDK sends them; unknown
+fields are ignored, a known one with a wrong type or range is a 400 naming
+it. `MessagesRequest.conversation()` flattens content blocks into the
+role/content dicts the chat template takes (text joined, `tool_use` as the
+JSON call the template's tool preamble asks for, `tool_result` as a `tool`
+message) and records, for every `cache_control` breakpoint, the
+conversation cut right after the marked block (shared/ingress/cache_control.py
+turns those cuts into token positions).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.ingress.cache_control import Breakpoint, Conversation, Ttl
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheControl(_Body):
+    type: Literal["ephemeral"]
+    ttl: Ttl = "5m"
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+    def flat(self) -> str:
+        return self.text
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+    cache_control: CacheControl | None = None
+
+    def flat(self) -> str:
+        return json.dumps({"name": self.name, "parameters": self.input}, ensure_ascii=False)
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    def flat(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(b.text for b in self.content)
+        return self.content or ""
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class InputMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class Tool(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    cache_control: CacheControl | None = None
+
+    def flat(self) -> dict[str, Any]:
+        return function_tool(self.name, self.description, self.input_schema)
+
+
+class Metadata(_Body):
+    user_id: str | None = None
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool in the shape chat templates (and the OpenAI dialect) render: both dialects share prefixes."""
+    fn: dict[str, Any] = {"name": name}
+    if description:
+        fn["description"] = description
+    fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def flatten(role: str, blocks: list[Any]) -> list[dict[str, str]]:
+    """Content blocks of one message -> role/content dicts; a tool_result is a `tool` message of its own."""
+    out: list[dict[str, str]] = []
+    for block in blocks:
+        kind = "tool" if isinstance(block, ToolResultBlock) else role
+        if out and out[-1]["role"] == kind and kind != "tool":
+            out[-1]["content"] += "\n" + block.flat()
+        else:
+            out.append({"role": kind, "content": block.flat()})
+    return out
+
+
+class MessagesRequest(_Body):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=8)
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    metadata: Metadata | None = None
+    stream: bool = False
+    cache_id: str | None = None  # a named cache (POST /v1/caches) whose content comes first
+
+    def stops(self) -> list[str]:
+        return [s for s in self.stop_sequences or [] if s]
+
+    def system_blocks(self) -> list[TextBlock]:
+        return system_blocks(self.system)
+
+    def conversation(self, prefix: Conversation | None = None) -> tuple[Conversation, list[Breakpoint]]:
+        return conversation(self.tools or [], self.system_blocks(), self.messages, prefix)
+
+
+def system_blocks(system: str | list[TextBlock] | None) -> list[TextBlock]:
+    if isinstance(system, str):
+        return [TextBlock(type="text", text=system)] if system else []
+    return list(system or [])
+
+
+def conversation(tools: list[Tool], system: list[TextBlock], messages: list[InputMessage],
+                 prefix: Conversation | None = None) -> tuple[Conversation, list[Breakpoint]]:
+    """The flat conversation (a named cache's `prefix` first) and its breakpoints in request order.
+
+    Order is Anthropic's cache order: tools, then system, then messages. Raises ValueError when both
+    the named cache and the request bring a system prompt (the cached prefix would not stay a prefix).
+    """
+    head = prefix or Conversation([], None)
+    flat_tools = list(head.tools or [])
+    breakpoints: list[Breakpoint] = []
+    for tool in tools:
+        flat_tools.append(tool.flat())
+        if tool.cache_control:
+            breakpoints.append(Breakpoint(tool.cache_control.ttl, Conversation([], list(flat_tools))))
+    all_tools = flat_tools or None
+    flat = list(head.messages)
+    if system and flat and flat[0]["role"] == "system":
+        raise ValueError("system: the named cache already has a system prompt")
+    for i, block in enumerate(system):
+        if block.cache_control:
+            cut = [{"role": "system", "content": "\n".join(b.text for b in system[: i + 1])}]
+            breakpoints.append(Breakpoint(block.cache_control.ttl, Conversation(cut, all_tools)))
+    if system:
+        flat.insert(0, {"role": "system", "content": "\n".join(b.text for b in system)})
+    for msg in messages:
+        blocks = msg.blocks()
+        for j, block in enumerate(blocks):
+            if block.cache_control:
+                cut = flat + flatten(msg.role, blocks[: j + 1])
+                breakpoints.append(Breakpoint(block.cache_control.ttl, Conversation(cut, all_tools)))
+        flat += flatten(msg.role, blocks)
+    return Conversation(flat, all_tools), breakpoints
