@@ -15,12 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.block_copy import gather_blocks, scatter_blocks
 from shared.cache_policy.base import EvictionPolicy
+from shared.cache_policy.registry import get_policy
 from shared.config import EngineSettings
 from shared.engine.batch_builder import build_forward_batch
-from shared.engine.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
+from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
 from shared.engine.block_pool import BlockPool
+from shared.engine.block_transfer import export_blocks, import_blocks
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.kv_block import KVBlock
 from shared.engine.loader import LoadedModel
@@ -32,6 +33,8 @@ from shared.engine.scheduler import ScheduledSeq, Scheduler
 
 
 class Engine:
+    """One model, one KV pool. `policy` overrides settings.eviction_policy; `listener` hears block stored/removed."""
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -50,6 +53,8 @@ class Engine:
             device=settings.device,
         )
         block_bytes = cfg.kv_bytes_per_token() * settings.block_size
+        if policy is None:
+            policy = get_policy(settings.eviction_policy)
         self.cache = PrefixCache(BlockPool(settings.num_blocks), settings.block_size, policy, listener, block_bytes=block_bytes)
         self.scheduler = Scheduler(settings, self.cache)
         self.pins = PinSet(self.cache)
@@ -238,65 +243,12 @@ class Engine:
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> list[KVBlock]:
         """The leading run of `hashes` that is cached, as KVBlocks with CPU tensors."""
-        blocks = []
-        for h in hashes:
-            block = self.cache.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        if not blocks:
-            return []
-        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
-        data = gather_blocks(self.kv_cache, ids).cpu()
-        return [
-            KVBlock(block_hash=b.block_hash, parent_hash=b.parent_hash, token_ids=b.token_ids, data=data[i])
-            for i, b in enumerate(blocks)
-        ]
+        return export_blocks(self.cache, self.kv_cache, hashes)
 
     def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "") -> int:
-        """Insert a chain of blocks into the pool and prefix cache; returns how many were newly inserted.
+        """Insert a verified chain of blocks into pool + prefix cache; returns how many were newly inserted.
 
-        Stops at the first block that does not verify: wrong shape, parent
-        neither cached nor earlier in the list, or a hash that is not
-        H(parent, tokens, this engine's keys for tenant_salt/adapter).
-        Blocks already cached are skipped (not counted).
+        Hashes are checked against this engine's keys for tenant_salt/adapter
+        (see shared/engine/block_transfer.py for the rules).
         """
-        keys = self.hash_keys(tenant_salt, adapter)
-        cfg = self.loaded.config
-        shape = (cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        known: set[bytes] = set()
-        todo: list[tuple[KVBlock, int]] = []  # (block, depth)
-        depth_of: dict[bytes, int] = {}
-        for kb in blocks:
-            parent = kb.parent_hash
-            if tuple(kb.data.shape) != shape or len(kb.token_ids) != self.block_size:
-                break
-            if parent is not None and parent not in known and parent not in self.cache:
-                break
-            if hash_block(BlockHash(parent) if parent is not None else None, kb.token_ids, keys) != kb.block_hash:
-                break
-            depth = 0 if parent is None else depth_of.get(parent, self._depth(parent)) + 1
-            depth_of[kb.block_hash] = depth
-            known.add(kb.block_hash)
-            if kb.block_hash not in self.cache:
-                todo.append((kb, depth))
-        if not todo:
-            return 0
-        fresh = self.cache.allocate(min(len(todo), self.cache.num_allocatable))
-        if not fresh:
-            return 0
-        todo = todo[: len(fresh)]
-        ids = torch.tensor([b.block_id for b in fresh], dtype=torch.long)
-        scatter_blocks(self.kv_cache, ids, torch.stack([kb.data for kb, _ in todo]))
-        stored = []
-        for block, (kb, depth) in zip(fresh, todo):
-            parent = BlockHash(kb.parent_hash) if kb.parent_hash is not None else None
-            if self.cache.store(block, BlockHash(kb.block_hash), parent, tuple(kb.token_ids), depth):
-                stored.append(block)
-        self.cache.release(fresh)
-        return len(stored)
-
-    def _depth(self, block_hash: bytes) -> int:
-        block = self.cache.get(BlockHash(block_hash))
-        info = self.cache.info(block) if block is not None else None
-        return info.depth if info is not None else 0
+        return import_blocks(self.cache, self.kv_cache, blocks, self.hash_keys(tenant_salt, adapter))
