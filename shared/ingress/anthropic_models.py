@@ -123,6 +123,7 @@ class MessagesRequest(_Body):
     metadata: Metadata | None = None
     stream: bool = False
     cache_id: str | None = None  # a named cache (POST /v1/caches) whose content comes first
+    cache_control: CacheControl | None = None  # top level: a breakpoint on the last block of the last message
 
     def stops(self) -> list[str]:
         return [s for s in self.stop_sequences or [] if s]
@@ -131,7 +132,11 @@ class MessagesRequest(_Body):
         return system_blocks(self.system)
 
     def conversation(self, prefix: Conversation | None = None) -> tuple[Conversation, list[Breakpoint]]:
-        return conversation(self.tools or [], self.system_blocks(), self.messages, prefix)
+        conv, breakpoints = conversation(self.tools or [], self.system_blocks(), self.messages, prefix)
+        if self.cache_control and self.messages[-1].blocks()[-1].cache_control is None:
+            cut = Conversation(list(conv.messages), conv.tools)
+            breakpoints.append(Breakpoint(self.cache_control.ttl, cut))
+        return conv, breakpoints
 
 
 def system_blocks(system: str | list[TextBlock] | None) -> list[TextBlock]:

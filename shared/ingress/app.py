@@ -130,6 +130,7 @@ def create_app(state: IngressState, registry: CollectorRegistry | None = None) -
                 raise
             continue
         app.include_router(getattr(mod, attr))
+        getattr(mod, "install", lambda _state: None)(state)  # e.g. named caches set state.cache_lookup
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
     app.add_middleware(RequestIdMiddleware, routes=routes,
                        count=lambda route, status: state.metrics.requests.labels(route, str(status)).inc())

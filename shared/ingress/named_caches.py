@@ -1,0 +1,167 @@
+"""Named caches: POST/GET/DELETE /v1/caches, and `cache_id` on requests of both dialects.
+
+`POST /v1/caches {model, system?, tools?, messages?, ttl | ttl_seconds}`
+renders the prefix (chat template, no generation prompt, piecewise ids as
+every request), runs a `prefill_only` job pinned for the TTL (the prefill
+worker computes it, pins it and waits for its L3 write), then stores the
+metadata (named_cache_store.py) and returns `{id: "cache_...", ...}`. TTL:
+60 s to 30 days (`ttl` as "90s", "5m", "1h", "7d"). Every route is
+tenant-scoped: another tenant's cache is a 404, as is an expired one.
+A request with `cache_id` gets the cache's messages and tools put first
+(`install` sets `IngressState.cache_lookup`), so its prompt starts with the
+cached blocks: L1/L2 while warm, L3 after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.engine.chat_template import ChatTemplateError
+from shared.ingress.admission import Admitted, CachedContext, IngressState, admit, budget, check_model, parse, state_of
+from shared.ingress.anthropic_models import InputMessage, TextBlock, Tool, conversation, function_tool, system_blocks
+from shared.ingress.auth import Principal
+from shared.ingress.errors import ApiError, ErrorKind, invalid
+from shared.ingress.gateway import GenerationRequest
+from shared.ingress.named_cache_store import NamedCache, NamedCacheStore
+from shared.protocol.serving import CachePin, SamplingSpec
+
+router = APIRouter()
+
+MIN_TTL_S = 60
+MAX_TTL_S = 30 * 24 * 3600
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_STORE = "named_caches"
+
+
+def parse_ttl(text: str) -> int:
+    """'90s' / '5m' / '1h' / '7d' -> seconds; ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*([smhd])\s*", text)
+    if not m:
+        raise ValueError(f"ttl {text!r}: want a number and a unit s/m/h/d, e.g. '5m' or '7d'")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _tool(raw: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool ({name, input_schema}) or an OpenAI one ({type: function, function}) in template shape."""
+    if raw.get("type") == "function" and isinstance(raw.get("function"), dict):
+        fn = raw["function"]
+        return function_tool(str(fn.get("name", "")), fn.get("description"), fn.get("parameters") or {})
+    return Tool.model_validate(raw).flat()
+
+
+class CreateCacheRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    messages: list[InputMessage] = Field(default_factory=list)
+    ttl: str | None = None
+    ttl_seconds: int | None = None
+    display_name: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _something(self) -> CreateCacheRequest:
+        if not self.messages and not system_blocks(self.system):
+            raise ValueError("a cache needs a system prompt or messages")
+        return self
+
+    def ttl_s(self) -> int:
+        try:
+            ttl = self.ttl_seconds if self.ttl_seconds is not None else parse_ttl(self.ttl or "5m")
+        except ValueError as exc:
+            raise invalid(str(exc), param="ttl") from None
+        if not MIN_TTL_S <= ttl <= MAX_TTL_S:
+            raise invalid(f"ttl must be between {MIN_TTL_S} s and 30 days, got {ttl} s", param="ttl")
+        return ttl
+
+
+def store_of(state: IngressState) -> NamedCacheStore:
+    store = state.extra.get(_STORE)
+    if store is None:
+        store = state.extra[_STORE] = NamedCacheStore(state.gateway.nc.jetstream())
+    return store
+
+
+def install(state: IngressState) -> None:
+    """Let requests of every dialect name a cache (`cache_id`)."""
+
+    async def lookup(principal: Principal, cache_id: str) -> CachedContext:
+        cache = await store_of(state).get(principal.tenant, cache_id)
+        if cache is None:
+            raise ApiError(ErrorKind.NOT_FOUND, f"cache '{cache_id}' not found (or expired)", param="cache_id")
+        return CachedContext(list(cache.messages), list(cache.tools) if cache.tools else None)
+
+    state.cache_lookup = lookup
+
+
+def _not_found(cache_id: str) -> ApiError:
+    return ApiError(ErrorKind.NOT_FOUND, f"cache '{cache_id}' not found (or expired)")
+
+
+@router.post("/v1/caches")
+async def create_cache(request: Request) -> Any:
+    adm: Admitted = await admit(request)
+    body = parse(CreateCacheRequest, adm.body)
+    check_model(adm.state, body.model)
+    ttl = body.ttl_s()
+    try:
+        tools = [_tool(t) for t in body.tools or []]
+    except (ValueError, TypeError) as exc:
+        raise invalid(f"tools: {exc}", param="tools") from None
+    conv, _ = conversation([], system_blocks(body.system), body.messages)
+    conv.tools = tools or None
+    prompts, tenant = adm.state.prompts, adm.principal.tenant
+    try:
+        ids = prompts.tokenize(tenant, prompts.render(conv.messages, conv.tools, generation_prompt=False),
+                               conv.messages)
+    except ChatTemplateError as exc:
+        raise invalid(f"messages: {exc}", param="messages") from None
+    budget(adm.state, len(ids), 1)
+    req = GenerationRequest(request_id=adm.request_id, tenant=tenant, tenant_salt=adm.principal.salt,
+                            prompt_ids=ids, sampling=SamplingSpec(max_tokens=1), session_id=adm.session_id,
+                            pins=[CachePin(num_tokens=len(ids), ttl_s=float(ttl))], prefill_only=True)
+    done = await adm.state.gateway.complete(req)
+    now = time.time()
+    cache = NamedCache(id="cache_" + uuid.uuid4().hex, tenant=tenant, model=body.model,
+                       display_name=body.display_name, messages=conv.messages, tools=conv.tools,
+                       prompt_tokens=len(ids), prefix_sha256=hashlib.sha256(str(ids).encode()).hexdigest(),
+                       created_at=now, expires_at=now + ttl, cached_tokens=done.cached_tokens,
+                       cache_created_tokens=done.cache_created_tokens)
+    await store_of(adm.state).put(cache)
+    return JSONResponse(cache.public())
+
+
+@router.get("/v1/caches")
+async def list_caches(request: Request) -> Any:
+    state = state_of(request)
+    principal = state.keyring.authenticate(request)
+    caches = await store_of(state).list(principal.tenant)
+    return {"object": "list", "data": [c.public() for c in caches]}
+
+
+@router.get("/v1/caches/{cache_id}")
+async def get_cache(request: Request, cache_id: str) -> Any:
+    state = state_of(request)
+    principal = state.keyring.authenticate(request)
+    cache = await store_of(state).get(principal.tenant, cache_id)
+    if cache is None:
+        raise _not_found(cache_id)
+    return cache.public()
+
+
+@router.delete("/v1/caches/{cache_id}")
+async def delete_cache(request: Request, cache_id: str) -> Any:
+    state = state_of(request)
+    principal = state.keyring.authenticate(request)
+    if not await store_of(state).delete(principal.tenant, cache_id):
+        raise _not_found(cache_id)
+    return {"id": cache_id, "object": "cache.deleted", "deleted": True}
