@@ -1,6 +1,6 @@
 """Paged attention (torch path, and Triton on CUDA) vs plain dense SDPA on contiguous K/V.
 
-    python -m bench.kernels [--device cpu|cuda] [--repeats 9]
+    python -m bench.kernels [--device cpu|cuda] [--repeats 9] [--threads N]
 
 Cases use the `small` preset's attention shape (Hq 12, Hkv 4, head_dim 64,
 block_size 16): a 2k-token prefill, a 256-token chunk over a 1792-token
@@ -147,7 +147,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     triton_timed = device.type == "cuda"
     previous = os.environ.get(ENV_VAR)
