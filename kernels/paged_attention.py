@@ -45,9 +45,12 @@ def _paged_attention_torch(
 ) -> torch.Tensor:
     """One SDPA per sequence over its K/V, read in place where its blocks are consecutive.
 
-    Measured on CPU: per-sequence SDPA over zero-copy views beats one padded,
-    gathered batch even for decode at batch 8-64; fragmented tables gather
-    with index_select (the fastest gather measured).
+    Measured on CPU (bench/kernels.py and micro-benchmarks): per-sequence SDPA
+    over zero-copy views beats or matches one padded, gathered, masked batch
+    for decode at batch 8-64 (a padded batch must also zero the padding, which
+    may hold NaN); fragmented tables gather with index_select, by far the
+    fastest gather measured (advanced indexing was ~50x slower). Reading
+    exactly ``ctx`` keys means slots past the context are never touched.
     """
     out = torch.empty_like(q)
     bs = kv_layer.shape[2]
