@@ -108,6 +108,11 @@ def _rendezvous(key: str, worker_id: str) -> bytes:
     return hashlib.sha256(f"{key}\x00{worker_id}".encode()).digest()
 
 
+def home(key: str, workers: Iterable[str]) -> str:
+    """The rendezvous-hash winner for `key` among `workers` (non-empty)."""
+    return max(workers, key=lambda w: _rendezvous(key, w))
+
+
 @dataclass(slots=True)
 class Router:
     table: WorkerTable
@@ -121,8 +126,8 @@ class Router:
             return None
         views = {w: self.table.view(w) for w in candidates}
         if affinity_key:
-            home = max(candidates, key=lambda w: _rendezvous(affinity_key, w))
-            view = views[home]
+            preferred = home(affinity_key, candidates)
+            view = views[preferred]
             if view is not None and view.score() <= self.overload_factor:
-                return home
+                return preferred
         return min(candidates, key=lambda w: (views[w].score() if views[w] else 0.0, w))

@@ -1,0 +1,144 @@
+"""Supervision on a real stack with two prefill and two decode workers.
+
+A prefill worker that stalls (SIGSTOP) after it was sent the job: the job is
+retried on the other one. A decode worker SIGKILLed mid-stream: the request
+migrates (prompt + tokens so far) and the client's stream goes on with
+exactly the reference tokens, none duplicated or missing. Affinity keys pick
+the victim: the rendezvous home of a key is where its request goes.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ingress.serving_stack import ServingStack, make_stack
+from shared.ingress.router import home
+from shared.stack.servers import NatsServer, S3Server
+
+KEY = "sk-faults"
+PREFILLS, DECODES = ["prefill-0", "prefill-1"], ["decode-0", "decode-1"]
+LONG = 400  # tokens: long enough that a kill lands mid-stream
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
+          ) -> Iterator[ServingStack]:
+    root = tmp_path_factory.mktemp("ingress-faults")
+    nats = NatsServer(data_dir=root / "nats")
+    nats.start()
+    s = make_stack(root, nats, s3_server, tiny_model_dir, {KEY: "faults"}, KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
+                   KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5")
+    s.bucket = "kvmesh-ingress-faults"
+    s3_server.ensure_bucket(s.bucket)
+    try:
+        for worker in PREFILLS:
+            s.start("prefill", worker)
+        for worker in DECODES:
+            s.start("decode", worker)
+        s.start_ready("ingress", "ingress-0")
+        _wait_all_live(s)
+        yield s
+    finally:
+        s.stop()
+        nats.stop()
+
+
+def _wait_all_live(s: ServingStack) -> None:
+    """Both workers of each role seen by the ingress (readiness needs only one of each)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(s.procs[w].proc.poll() is None for w in PREFILLS + DECODES) and _live_count(s) >= 4:
+            return
+        time.sleep(0.3)
+    raise TimeoutError("workers did not all come up")
+
+
+def _live_count(s: ServingStack) -> int:
+    import asyncio
+
+    import nats as nats_py
+
+    from shared.service.watch import alive_workers
+
+    async def count() -> int:
+        nc = await nats_py.connect(s.nats.url)
+        try:
+            return sum(1 for w in await alive_workers(nc.jetstream()) if w in PREFILLS + DECODES)
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
+
+
+def client(stack: ServingStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def key_homed_on(workers: list[str], target: str) -> str:
+    return next(k for k in (f"key-{i}" for i in range(1000)) if home(k, workers) == target)
+
+
+def retries(stack: ServingStack) -> float:
+    text = httpx.get(f"{stack.base_url}/metrics").text
+    match = re.search(r"^kvmesh_ingress_retries_total (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def long_prompt(stack: ServingStack) -> tuple[str, str]:
+    """A prompt whose greedy continuation runs the full LONG tokens, and that continuation."""
+    c = client(stack)
+    for i in range(20):
+        prompt = f"Write a very long story, number {i}, about the sea:"
+        r = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0)
+        if r.choices[0].finish_reason == "length":
+            return prompt, r.choices[0].text
+    pytest.fail("no prompt generates LONG tokens without eos")
+
+
+def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
+    prompt = "A prefill that stalls, and the one that takes over"
+    c = client(stack)
+    ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
+    key = key_homed_on(PREFILLS, "prefill-0")
+    before = retries(stack)
+    stack.signal("prefill-0", signal.SIGSTOP)
+    try:
+        raw = c.completions.with_raw_response.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20,
+                                                     temperature=0, extra_body={"prompt_cache_key": key})
+    finally:
+        stack.signal("prefill-0", signal.SIGCONT)
+    got = raw.parse()
+    assert got.choices[0].text == ref.choices[0].text
+    assert "prefill=prefill-1" in raw.headers["kvmesh-route"] and "attempts=2" in raw.headers["kvmesh-route"]
+    assert retries(stack) == before + 1
+
+
+def test_decode_killed_mid_stream_migrates(stack: ServingStack) -> None:
+    prompt, reference = long_prompt(stack)
+    key = key_homed_on(DECODES, "decode-0")
+    before = retries(stack)
+    c = client(stack)
+    with c.completions.with_streaming_response.create(
+        model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0, stream=True,
+        extra_body={"prompt_cache_key": key},
+    ) as response:
+        assert "decode=decode-0" in response.headers["kvmesh-route"]
+        parts: list[str] = []
+        finish = None
+        for i, chunk in enumerate(response.parse()):
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+            if i == 2:
+                stack.signal("decode-0", signal.SIGKILL)
+    assert "".join(parts) == reference
+    assert finish == "length"
+    assert retries(stack) == before + 1
