@@ -124,7 +124,8 @@ def parse_model_config(
     theta, scaling = _rope(raw)
     dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
     eos = token_ids(raw.get("eos_token_id")) + list(extra_eos_ids or [])
-    bos = raw.get("bos_token_id", bos_token_id)
+    bos = raw.get("bos_token_id")
+    bos = bos_token_id if bos is None else bos
     return ModelConfig(
         architecture=arch,
         hidden_size=hidden,
