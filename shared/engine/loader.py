@@ -49,7 +49,8 @@ def load_model(model_dir: Path, dtype: str | None = None, device: str = "cpu") -
     raw = read_json(model_dir / CONFIG_FILE)
     generation = read_json(model_dir / GENERATION_CONFIG_FILE, required=False)
     tokenizer = Tokenizer.from_dir(model_dir)
-    bos = generation.get("bos_token_id", tokenizer.bos_token_id)
+    bos = generation.get("bos_token_id")
+    bos = tokenizer.bos_token_id if bos is None else bos
     cfg = parse_model_config(
         raw,
         dtype=dtype,
