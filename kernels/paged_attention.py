@@ -66,6 +66,8 @@ def _paged_attention_torch(
             kv = kv.flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
             out[start : start + qlen] = _attend(q[start : start + qlen], kv[0], kv[1], scale)
         start += qlen
+    if start != q.shape[0]:
+        raise ValueError(f"query_lens sum to {start} but q has {q.shape[0]} rows")
     return out
 
 

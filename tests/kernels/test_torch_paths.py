@@ -151,3 +151,11 @@ def test_paged_attention_strided_q_and_write_kv_path() -> None:
     case.q = q
     got = paged_attention(q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, 0.2)
     torch.testing.assert_close(got, dense_attention(case, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_rejects_query_lens_that_do_not_cover_q() -> None:
+    case = make_case([(3, 20), (1, 5)], 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="sum to 3"):
+        paged_attention(
+            case.q, case.kv_layer, case.block_tables, torch.tensor([2, 1], dtype=torch.int32), case.context_lens, 0.25
+        )
