@@ -131,6 +131,12 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host)
+    if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
+        from shared.ingress.auth import KEYS_FILE, ensure_dev_key  # the stack needs fastapi only here
+
+        keys_file = settings.ingress.keys_file or state_dir / KEYS_FILE
+        key = ensure_dev_key(keys_file)
+        say(f"created a dev API key (tenant 'dev'): {key}" if key else f"API keys: {keys_file}")
     for spec in specs:
         for i in range(spec.replicas):
             started = start_service(spec, i, ctx, state_dir / "logs")
