@@ -12,7 +12,8 @@ request_id + attempt:
 3. at the end the full blocks of prompt + output go to its L2 and the L3
    upload queue (so turn N+1 hits turn N's answer), then the final event is
    published and the job acked. A newer attempt of the same request arriving
-   here supersedes this one (it stops without a final event).
+   here supersedes this one, and an `AbortRequest` ends it: either way it
+   stops without a final event.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class DecodeWorker:
             await stream.finish("error", error="deadline passed before decode started")
             return
         blocks, sources = await self._resolve(job, salt)
+        if self.ledger.aborted(job.request_id):
+            stream.cancel()
+            return
         engine_id = f"{job.request_id}:{job.attempt}:decode"
         older = self._engine_ids.pop(job.request_id, None)
         if older is not None:
@@ -87,7 +91,7 @@ class DecodeWorker:
         finally:
             if self._engine_ids.get(job.request_id) == engine_id:
                 del self._engine_ids[job.request_id]
-        if self.ledger.superseded(job.request_id, job.attempt):
+        if out.finish_reason == "abort":  # a newer attempt took over here, or the client went away
             stream.cancel()
             return
         full = job.prompt_ids + out.token_ids
@@ -100,6 +104,13 @@ class DecodeWorker:
         if self.audit is not None and out.finish_reason in ("stop", "length"):
             case = AuditCase(job.request_id, job.prompt_ids, job.sampling.to_params(), salt, out.token_ids)
             self.audit.consider(case, max(job.cached_tokens, out.cached_tokens))
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: stop the request here and publish nothing more for it."""
+        self.ledger.abort(request_id)
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self.rt.engine.abort(engine_id)
 
     async def _resolve(self, job: DecodeJob, salt: bytes) -> tuple[list[KVBlock], Counter]:
         """Blocks for the handles after those already in the engine, up to the first unresolvable one."""

@@ -26,7 +26,6 @@ class Claim(Enum):
 class _Run:
     attempt: int
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    superseded: bool = False
 
 
 @dataclass
@@ -34,8 +33,20 @@ class JobLedger:
     remember: int = 4096
     _running: dict[str, _Run] = field(default_factory=dict)
     _finished: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> highest attempt done
+    _aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)  # the client went away: run nothing more
+
+    def abort(self, request_id: str) -> None:
+        """Remember that the request was aborted: its runs stop and later deliveries are acked unrun."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > self.remember:
+            self._aborted.popitem(last=False)
+
+    def aborted(self, request_id: str) -> bool:
+        return request_id in self._aborted
 
     def claim(self, request_id: str, attempt: int) -> Claim:
+        if request_id in self._aborted:
+            return Claim.DONE
         done = self._finished.get(request_id)
         if done is not None and done >= attempt:
             return Claim.DONE
@@ -45,7 +56,7 @@ class JobLedger:
                 return Claim.WAIT
             if run.attempt > attempt:
                 return Claim.DONE
-            run.superseded = True
+            run.finished.set()  # an older attempt is superseded: whoever waits on it need not wait longer
         self._running[request_id] = _Run(attempt)
         return Claim.RUN
 
@@ -53,11 +64,6 @@ class JobLedger:
         run = self._running.get(request_id)
         if run is not None:
             await run.finished.wait()
-
-    def superseded(self, request_id: str, attempt: int) -> bool:
-        """True when a newer attempt of the request took over on this worker."""
-        run = self._running.get(request_id)
-        return run is not None and run.attempt != attempt
 
     def release(self, request_id: str, attempt: int, finished: bool) -> None:
         """End this worker's run of (request_id, attempt); `finished` = it completed (redeliveries are acked)."""

@@ -45,12 +45,20 @@ class PrefillWorker:
     publisher: Publisher
     settings: WorkerSettings = field(default_factory=WorkerSettings)
     ledger: JobLedger = field(default_factory=JobLedger)
+    _engine_ids: dict[str, str] = field(default_factory=dict)  # request id -> engine id of the run here
 
     def __post_init__(self) -> None:
         self.ledger.remember = self.settings.remember_finished
 
     async def handle(self, job: PrefillJob, msg: Msg | None = None) -> None:
         await run_once(self.ledger, job.request_id, job.attempt, lambda: self._run(job))
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: stop the request here and publish nothing more for it."""
+        self.ledger.abort(request_id)
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self.rt.engine.abort(engine_id)
 
     def _event(self, job: PrefillJob, **kw) -> TokenEvent:
         return TokenEvent(request_id=job.request_id, attempt=job.attempt, seq=0, prompt_tokens=len(job.prompt_ids),
@@ -73,8 +81,11 @@ class PrefillWorker:
         engine = self.rt.engine
         peers = self.rt.peers.ids() if self.settings.probe_peers else []
         reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt)
-        spec = RequestSpec(f"{job.request_id}:{job.attempt}:prefill", job.prompt_ids, job.sampling.to_params(max_tokens=1),
-                           salt, blocks=reach.blocks)
+        engine_id = f"{job.request_id}:{job.attempt}:prefill"
+        spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(max_tokens=1), salt, blocks=reach.blocks)
+        if self.ledger.aborted(job.request_id):
+            return
+        self._engine_ids[job.request_id] = engine_id
         try:
             out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
         except ValueError as exc:
@@ -82,6 +93,10 @@ class PrefillWorker:
             return
         except TimeoutError:
             await self._fail(job, "deadline passed during prefill", retriable=True)
+            return
+        finally:
+            self._engine_ids.pop(job.request_id, None)
+        if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
         blocks = await engine.call(lambda e: e.export_blocks(reach.hashes))
         handles, chain = self.rt.tiers.register(blocks, job.tenant_salt)

@@ -7,9 +7,13 @@ environment (shared/config.py), the model from `KVMESH_MODEL_DIR`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shared.bus.consumer import typed
+from shared.log import get_logger
 from shared.protocol import subjects
-from shared.protocol.serving import DecodeJob, PrefillJob
+from shared.protocol.base import ProtocolError
+from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob
 from shared.protocol.streams import DECODE_ANY, HANDOFF, HANDOFF_ANY, JOBS, PREFILL_ANY, worker_consumer
 from shared.service.runner import ServiceContext
 from shared.serving.audit import CacheAudit
@@ -17,11 +21,27 @@ from shared.serving.decode_worker import DecodeWorker
 from shared.serving.prefill_worker import PrefillWorker
 from shared.serving.runtime import WorkerRuntime, job_consumer
 
+log = get_logger(__name__)
+
+
+async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[str], None]) -> None:
+    """AbortRequests to this worker (core NATS, best effort) stop the named request."""
+
+    async def on_abort(msg) -> None:
+        try:
+            abort(AbortRequest.from_bytes(msg.data).request_id)
+        except ProtocolError as exc:
+            log.warning("unreadable abort ignored", error=str(exc))
+
+    sub = await ctx.nc.subscribe(subjects.abort(ctx.worker_id), cb=on_abort)
+    ctx.on_stop.insert(0, sub.unsubscribe)
+
 
 async def setup_prefill(ctx: ServiceContext) -> None:
     rt = await WorkerRuntime.start(ctx)
     worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers)
     handler = typed(PrefillJob, worker.handle)
+    await listen_for_aborts(ctx, worker.abort)
     own = worker_consumer(JOBS, "prefill", ctx.worker_id, subjects.jobs_prefill(ctx.worker_id))
     for spec in (own, PREFILL_ANY):
         ctx.add_consumer(job_consumer(spec), handler)
@@ -33,6 +53,7 @@ async def setup_decode(ctx: ServiceContext) -> None:
     ctx.on_stop.insert(0, audit.close)
     worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)
     handler = typed(DecodeJob, worker.handle)
+    await listen_for_aborts(ctx, worker.abort)
     specs = (
         worker_consumer(HANDOFF, "handoff", ctx.worker_id, subjects.handoff(ctx.worker_id)),
         worker_consumer(JOBS, "decode", ctx.worker_id, subjects.jobs_decode(ctx.worker_id)),

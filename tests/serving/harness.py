@@ -66,9 +66,10 @@ class WorkerProcs:
         self.procs[worker_id] = wp
         return wp
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, only: list[WorkerProc] | None = None, timeout_s: float = 120.0) -> None:
+        """Wait until every started process (or those in `only`) answers /readyz 200."""
         end = time.monotonic() + timeout_s
-        for wp in self.procs.values():
+        for wp in only if only is not None else list(self.procs.values()):
             while True:
                 if wp.proc.proc.poll() is not None:
                     raise RuntimeError(f"{wp.worker_id} exited: {wp.proc.log_path.read_text()[-3000:]}")

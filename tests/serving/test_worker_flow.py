@@ -14,7 +14,7 @@ from bus.helpers import FAST_BUS, connected
 
 from shared.bus.publish import Publisher
 from shared.protocol import subjects
-from shared.protocol.serving import CachePin, DecodeJob, SamplingSpec
+from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec
 from shared.serving.worker_tiers import namespace_for
 
 from .harness import BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
@@ -183,3 +183,20 @@ async def test_cache_audit_counts_hits_without_mismatch(stack):
     assert audited >= 3
     assert stack.metric(dc0, "kvmesh_cache_audit_mismatch_total") == 0
     assert stack.metric(dc1, "kvmesh_cache_audit_mismatch_total") == 0
+
+
+async def test_abort_stops_the_stream_without_a_final_event(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "The client hangs up while this long answer streams.")
+    job = prefill_job(unique(), prompt, dc0, max_tokens=400)
+    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=400, ignore_eos=True)})
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, job)
+        end = time.monotonic() + 60
+        while len(c.ordered) < 4:
+            assert time.monotonic() < end, "no tokens"
+            await asyncio.sleep(0.01)
+        await nc.publish(subjects.abort(dc0), AbortRequest(request_id=job.request_id).to_bytes())
+        assert await c.wait_silence(1.0, timeout_s=30), "a final event came although the request was aborted"
+        await c.close()
+    assert len(c.ordered) < 400 and c.final is None
