@@ -48,9 +48,11 @@ def variants() -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, 
         for g, bq, bm, bd in tiles:
             consts = {"G": g, "BLOCK_Q": bq, "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_D": bd, "DOT_PRECISION": precision}
             out.append((f"paged_attention {dt} G={g} BLOCK_Q={bq} D={bd}", _paged_attention_kernel, sig, consts))
-    rope_sig = _signature(_rope_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+    rope_ptrs = {"x_ptr": "*fp32", "out_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    rope_sig = _signature(_rope_kernel, rope_ptrs)
     out.append(("rope", _rope_kernel, rope_sig, {"HALF": 32, "BLOCK_H": 16, "BLOCK_HALF": 32}))
-    kv_sig = _signature(_kv_write_kernel, {"k_ptr": "*fp32", "v_ptr": "*fp32", "cache_ptr": "*fp16", "slot_ptr": "*i64"})
+    kv_ptrs = {"k_ptr": "*fp32", "v_ptr": "*fp32", "cache_ptr": "*fp16", "slot_ptr": "*i64"}
+    kv_sig = _signature(_kv_write_kernel, kv_ptrs)
     out.append(("kv_write", _kv_write_kernel, kv_sig, {"BLOCK_H": 4, "BLOCK_D": 64}))
     copy_sig = _signature(_copy_blocks_kernel, {"src_ptr": "*fp32", "dst_ptr": "*fp32", "ids_ptr": "*i64"})
     for gather in (True, False):

@@ -82,7 +82,8 @@ def dense_attention(case: PagedCase, scale: float) -> torch.Tensor:
     hq = case.q.shape[1]
     out = torch.empty_like(case.q, dtype=torch.float64)
     row = 0
-    for qlen, ctx, k, v in zip(case.query_lens.tolist(), case.context_lens.tolist(), case.keys, case.values, strict=True):
+    lens = zip(case.query_lens.tolist(), case.context_lens.tolist(), strict=True)
+    for (qlen, ctx), k, v in zip(lens, case.keys, case.values, strict=True):
         group = hq // k.shape[1]
         kd = k.double().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         vd = v.double().repeat_interleave(group, dim=1)

@@ -120,7 +120,9 @@ def test_paged_attention_random_batches(data: st.DataObject, heads: tuple[int, i
     torch.testing.assert_close(tri, ref_torch, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(7, 4, 1, 32), (5, 8, 2, 64), (1, 2, 2, 32), (3, 3, 1, 48), (4, 4, 2, 16)])
+@pytest.mark.parametrize(
+    ("t", "hq", "hkv", "d"), [(7, 4, 1, 32), (5, 8, 2, 64), (1, 2, 2, 32), (3, 3, 1, 48), (4, 4, 2, 16)]
+)
 def test_rope(monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int) -> None:
     cos, sin = rope_tables(300, d)
     g = torch.Generator().manual_seed(t)
