@@ -122,6 +122,8 @@ def status(
                        f" {'ready' if e.ready else 'NOT READY'}")
         if st.processes:
             typer.echo(f"  total rss {st.rss_total_bytes / 2**20:.1f} MiB")
+        if st.cache_audit.get("workers_read"):
+            typer.echo(f"  cache audit: {st.cache_audit['audited']} audited, {st.cache_audit['mismatches']} mismatches")
     raise typer.Exit(int(ExitCode.OK if st.ready else ExitCode.NOT_READY))
 
 

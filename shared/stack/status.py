@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shared.config import Settings
+from shared.serving.audit_status import read_audit_counts
 from shared.stack.credentials import S3Credentials, read_credentials
 from shared.stack.probe import EndpointStatus, check_endpoint
 from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
@@ -22,6 +23,7 @@ class StackStatus:
     starting: bool = False  # `kvmesh up` has not finished its readiness wait yet
     processes: list[ProcessStatus] = field(default_factory=list)
     endpoints: list[EndpointStatus] = field(default_factory=list)
+    cache_audit: dict[str, int] = field(default_factory=dict)  # audited / mismatches over the decode workers
 
     @property
     def rss_total_bytes(self) -> int:
@@ -42,7 +44,8 @@ def stack_status(settings: Settings, state_dir: Path) -> StackStatus:
     running = any(p.alive for p in procs) or (not procs and all(e.reachable for e in endpoints))
     ready = all(p.alive for p in procs) and all(e.ready for e in endpoints) and state.ready_at is not None
     starting = state.ready_at is None and launcher_alive(state)
-    return StackStatus(str(state_dir), running, ready, starting, procs, endpoints)
+    audit = read_audit_counts((e.name, e.url) for e in state.endpoints if e.check == "http")
+    return StackStatus(str(state_dir), running, ready, starting, procs, endpoints, audit.as_dict())
 
 
 def _s3_credentials(settings: Settings, state: StackState, state_dir: Path) -> S3Credentials | None:

@@ -15,6 +15,7 @@ from bus.helpers import FAST_BUS, connected
 from shared.bus.publish import Publisher
 from shared.protocol import subjects
 from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec
+from shared.serving.audit_status import read_audit_counts
 from shared.serving.worker_tiers import namespace_for
 
 from .harness import BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
@@ -183,6 +184,9 @@ async def test_cache_audit_counts_hits_without_mismatch(stack):
     assert audited >= 3
     assert stack.metric(dc0, "kvmesh_cache_audit_mismatch_total") == 0
     assert stack.metric(dc1, "kvmesh_cache_audit_mismatch_total") == 0
+    # What `kvmesh status` reads (endpoints named like the stack names decode replicas).
+    counts = read_audit_counts([(f"decode-{i}", stack.procs[w].http_endpoint) for i, w in enumerate((dc0, dc1))])
+    assert counts.workers_read == 2 and counts.audited >= 3 and counts.mismatches == 0
 
 
 async def test_abort_stops_the_stream_without_a_final_event(stack, nats_server, reference):

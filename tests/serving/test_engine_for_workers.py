@@ -1,0 +1,83 @@
+"""The engine features the workers rely on: resume from generated tokens, cold recompute, TTL pins."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.config import EngineSettings
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+
+from .harness import BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def loaded(serving_model_dir):
+    from shared.engine.loader import load_model
+
+    return load_model(serving_model_dir)
+
+
+def _engine(loaded, num_blocks: int = 256) -> Engine:
+    return Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+
+
+def _run(engine: Engine, rid: str, prompt: list[int], params: SamplingParams, **kw):
+    engine.add_request(rid, prompt, params, **kw)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def test_resume_from_generated_gives_the_same_tokens_and_text(loaded):
+    prompt = loaded.tokenizer.encode("Resume me halfway through, please, and keep the text whole.")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    full = _run(_engine(loaded), "full", prompt, params)
+    resumed_engine = _engine(loaded)
+    pieces: list[str] = []
+    resumed_engine.add_request("half", prompt, params, generated=full.token_ids[:7])
+    done = None
+    while done is None:
+        for out in resumed_engine.step():
+            pieces.append(out.text_delta)
+            done = out if out.finished else None
+    assert done.token_ids == full.token_ids
+    assert done.finish_reason == "length"
+    assert full.text.endswith("".join(pieces)) and len("".join(pieces)) < len(full.text)
+
+
+def test_generated_counts_against_max_tokens(loaded):
+    with pytest.raises(ValueError, match="already generated"):
+        _engine(loaded).add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), generated=[4, 5])
+
+
+def test_use_cache_false_recomputes_cold(loaded):
+    engine = _engine(loaded)
+    prompt = loaded.tokenizer.encode("A prompt long enough to fill a few blocks of sixteen tokens each. " * 2)
+    params = SamplingParams(max_tokens=6)
+    first = _run(engine, "a", prompt, params)
+    hit = _run(engine, "b", prompt, params)
+    cold = _run(engine, "c", prompt, params, use_cache=False)
+    assert hit.cached_tokens > 0 and cold.cached_tokens == 0
+    assert first.token_ids == hit.token_ids == cold.token_ids
+
+
+def test_pins_keep_blocks_until_their_time(loaded):
+    engine = _engine(loaded, num_blocks=12)
+    params = SamplingParams(max_tokens=1)
+    keep = list(range(10, 10 + 4 * BLOCK_SIZE + 1))
+    _run(engine, "keep", keep, params)
+    hashes = engine.block_hashes(keep)
+    assert engine.pin(hashes, time.time() + 1.0) == 4
+    assert engine.pin(hashes, time.time() - 1) == 4  # an earlier time never shortens a pin
+    for i in range(3):  # each needs 8 of the 12 blocks: everything unpinned is evicted on the way
+        _run(engine, f"churn{i}", [100 + i] * (8 * BLOCK_SIZE - 1), params)
+    assert engine.cached_prefix_tokens(keep) == 4 * BLOCK_SIZE
+    time.sleep(1.1)  # the pin lapses; the next steps release it and churn evicts the blocks
+    for i in range(2):
+        _run(engine, f"after{i}", [200 + i] * (8 * BLOCK_SIZE - 1), params)
+    assert engine.cached_prefix_tokens(keep) < 4 * BLOCK_SIZE
+    assert len(engine.pins) == 0

@@ -1,0 +1,57 @@
+"""Units of the workers that need no processes: the job ledger, pins, the audit counters' parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.serving.audit_status import parse_counts
+from shared.serving.ledger import Claim, JobLedger, run_once
+
+
+async def test_ledger_runs_each_attempt_once_and_acks_redeliveries():
+    ledger = JobLedger(remember=2)
+    runs: list[str] = []
+    gate = asyncio.Event()
+
+    async def work() -> None:
+        runs.append("r")
+        await gate.wait()
+
+    first = asyncio.create_task(run_once(ledger, "a", 0, work))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(run_once(ledger, "a", 0, work))  # the same attempt while it runs: waits
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    gate.set()
+    assert await first is True and await second is False and runs == ["r"]
+    assert ledger.claim("a", 0) is Claim.DONE  # after it finished: acked at once
+    assert await run_once(ledger, "a", 1, work) is True  # a newer attempt runs
+    assert len(runs) == 2
+
+
+async def test_ledger_failed_run_lets_the_redelivery_run():
+    ledger = JobLedger()
+
+    async def boom() -> None:
+        raise RuntimeError("publish failed")
+
+    try:
+        await run_once(ledger, "b", 0, boom)
+    except RuntimeError:
+        pass
+    assert ledger.claim("b", 0) is Claim.RUN
+
+
+def test_ledger_abort_and_supersede():
+    ledger = JobLedger()
+    assert ledger.claim("c", 0) is Claim.RUN
+    assert ledger.claim("c", 1) is Claim.RUN  # supersedes attempt 0 here
+    assert ledger.claim("c", 0) is Claim.DONE  # the older attempt is not wanted any more
+    ledger.abort("d")
+    assert ledger.claim("d", 0) is Claim.DONE and ledger.aborted("d")
+
+
+def test_parse_audit_counts():
+    text = "# HELP x\nkvmesh_cache_audit_total 7.0\nkvmesh_cache_audit_created 1.7e9\nkvmesh_cache_audit_mismatch_total 1.0\n"
+    assert parse_counts(text) == (7, 1)
+    assert parse_counts("") == (0, 0)
