@@ -77,6 +77,8 @@ async def setup(ctx: ServiceContext) -> None:
     app = create_app(state, ctx.metrics.registry)
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
                                    log_config=None, access_log=False, lifespan="off"))
+    # set first: the runner's side server answers /readyz while this setup is still running
+    ctx.ready_check = lambda: server.started and gateway.ready()
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -85,7 +87,6 @@ async def setup(ctx: ServiceContext) -> None:
         await asyncio.sleep(0.02)
     log.info("ingress listening", url=f"http://{settings.ingress.host}:{settings.ingress.port}",
              model=state.model_id, keys=len(state.keyring))
-    ctx.ready_check = gateway.ready
     ctx.load = lambda: float(gateway.in_flight)
     ctx.capacity = float(settings.ingress.max_in_flight)
 

@@ -142,3 +142,20 @@ def test_decode_killed_mid_stream_migrates(stack: ServingStack) -> None:
     assert "".join(parts) == reference
     assert finish == "length"
     assert retries(stack) == before + 1
+
+
+def test_request_that_cannot_finish_ends_with_an_error_event(stack: ServingStack) -> None:
+    """The last decode worker dies mid-stream: no one can continue, so the stream ends in an error, not [DONE]."""
+    prompt, reference = long_prompt(stack)
+    c = client(stack)
+    parts: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        stream = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0,
+                                      stream=True)
+        for i, chunk in enumerate(stream):
+            parts.append(chunk.choices[0].text)
+            if i == 2:
+                stack.signal("decode-1", signal.SIGKILL)
+    assert "no live decode worker" in str(err.value.message)
+    text = "".join(parts)
+    assert reference.startswith(text) and len(text) < len(reference)

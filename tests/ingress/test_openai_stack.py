@@ -112,3 +112,38 @@ def test_tenants_never_share(stack: ServingStack) -> None:
     assert a.chat.completions.create(**args).usage.prompt_tokens_details.cached_tokens > 0
     b = client(stack, "sk-beta").chat.completions.create(**args)
     assert b.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_client_disconnect_aborts_on_the_worker(stack: ServingStack) -> None:
+    """Closing the stream early sends an AbortRequest to the worker running the request."""
+    import asyncio
+
+    import nats as nats_py
+
+    from shared.protocol import subjects
+    from shared.protocol.serving import AbortRequest
+
+    async def scenario() -> tuple[str, list[AbortRequest]]:
+        nc = await nats_py.connect(stack.nats.url)
+        seen: list[AbortRequest] = []
+
+        async def on_abort(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(AbortRequest.from_bytes(msg.data))
+
+        await nc.subscribe(subjects.ABORT_ALL, cb=on_abort)
+        aclient = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-alpha", max_retries=0)
+        async with aclient.completions.with_streaming_response.create(
+            model=stack.model_dir.name, prompt="Tell me everything", max_tokens=2000, temperature=0, stream=True,
+        ) as response:
+            request_id = response.headers["x-request-id"]
+            async for _ in await response.parse():
+                break  # the client walks away after the first chunk
+        for _ in range(50):
+            if seen:
+                break
+            await asyncio.sleep(0.1)
+        await nc.close()
+        return request_id, seen
+
+    request_id, aborts = asyncio.run(scenario())
+    assert [a.request_id for a in aborts] == [request_id]
