@@ -114,7 +114,7 @@ def test_rope_matches_hf_llama3_scaled_bitwise() -> None:
     assert torch.equal(rk, hk_out[0].transpose(0, 1))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
     heads=st.sampled_from([(4, 1, 32), (8, 2, 64), (4, 4, 32), (6, 2, 16)]),

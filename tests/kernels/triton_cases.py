@@ -106,7 +106,7 @@ def test_triton_cache_transparency(monkeypatch: pytest.MonkeyPatch, prefix: int)
     torch.testing.assert_close(split, ref, atol=2e-6, rtol=0)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     data=st.data(),
     heads=st.sampled_from(HEADS),
