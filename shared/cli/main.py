@@ -38,3 +38,4 @@ from shared.cli import sim as _sim; app.command(name="sim")(_sim.sim)  # noqa: E
 from shared.cli import generate as _generate; app.command(name="generate")(_generate.generate)  # noqa: E402
 from shared.cli import bench as _bench; app.add_typer(_bench.app, name="bench")  # noqa: E402
 from shared.cli import kv as _kv; app.add_typer(_kv.app, name="kv")  # noqa: E402
+from shared.cli import chat as _chat; app.command(name="chat")(_chat.chat)  # noqa: E402
