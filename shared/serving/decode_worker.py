@@ -88,6 +88,9 @@ class DecodeWorker:
         except TimeoutError:
             await stream.finish("error", error="deadline passed during decode")
             return
+        except asyncio.CancelledError:  # drained away (SIGTERM): the job is nak'ed and the ingress migrates
+            stream.cancel()
+            raise
         finally:
             if self._engine_ids.get(job.request_id) == engine_id:
                 del self._engine_ids[job.request_id]

@@ -74,7 +74,11 @@ async def _from_host(tiers: WorkerTiers, peer_ids: Sequence[str], block_hash: by
 
 
 def _from_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], start: int) -> list[KVBlock]:
-    """Blocks start.. of the chain from L3, chunk by chunk, until a chunk is missing."""
+    """Blocks start.. of the chain from L3, chunk by chunk, until a chunk is missing.
+
+    A chain stored shorter than this prompt ends in a partial chunk keyed by its own last block, so
+    when a chunk's full key misses, shorter ends of that chunk are tried (longest first) before giving up.
+    """
     store = tiers.l3
     assert store is not None
     ns = namespace_for(tenant_salt)
@@ -82,8 +86,16 @@ def _from_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], start: i
     for positions in store.chunk_ranges(len(hashes)):
         if positions[-1] < start:
             continue
-        chunk = store.get_chunk(store.key(ns, hashes[positions[-1]]))
-        if isinstance(chunk, Miss) or [b.header.block_hash for b in chunk] != [hashes[p] for p in positions]:
-            break
-        out += [b.to_kv_block() for p, b in zip(positions, chunk) if p >= start]
+        for end in range(positions[-1], max(start, positions[0]) - 1, -1):
+            chunk = store.get_chunk(store.key(ns, hashes[end]))
+            if not isinstance(chunk, Miss):
+                break
+        else:
+            return out
+        want = [hashes[p] for p in range(positions[0], end + 1)]
+        if [b.header.block_hash for b in chunk] != want:
+            return out
+        out += [b.to_kv_block() for p, b in zip(range(positions[0], end + 1), chunk) if p >= start]
+        if end != positions[-1]:
+            return out
     return out

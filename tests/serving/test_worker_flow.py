@@ -48,7 +48,7 @@ async def _declare(url: str) -> None:
 
 
 def _ids(stack: WorkerProcs) -> tuple[str, str, str]:
-    pf, dc0, dc1 = list(stack.procs)
+    pf, dc0, dc1 = list(stack.procs)[:3]
     return pf, dc0, dc1
 
 
@@ -163,6 +163,28 @@ async def test_named_cache_is_written_to_l3_and_reports_creation(stack, nats_ser
     assert ours, "the named cache's blocks are in L3 once the final event is out"
     meta = s3_server.client().stat_object(BUCKET, ours[0].object_name).metadata
     assert any(v == str(7 * 24 * 3600) for k, v in meta.items() if k.lower().endswith("ttl-s"))
+
+
+async def test_named_cache_is_reached_from_l3_by_a_fresh_worker(stack, nats_server, reference):
+    """A prefill worker with an empty pool and no peers to probe finds a named cache's blocks in L3."""
+    _, dc0, _ = _ids(stack)
+    salt = "c3" * 32
+    prefix = _prompt(reference, "Durable instructions kept in object storage for a long time. " * 3)
+    fresh = stack.start("prefill", unique("pf-l3-"), KVMESH_WORKERS__PROBE_PEERS="false")
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, list(stack.procs)[0], prefill_job(unique(), prefix, dc0, max_tokens=1, salt=salt,
+                                                             prefill_only=True,
+                                                             pins=[CachePin(num_tokens=len(prefix), ttl_s=3600.0)]))
+        assert (await c.wait_final()).error is None
+        stack.wait_ready([fresh])
+        # Longer than the cached prefix by more than a block: its L3 chunk is found by a shorter key.
+        prompt = prefix + _prompt(reference, " Question: what now, and after that, and then what else after it?")
+        assert (len(prompt) - 1) // BLOCK_SIZE > len(prefix) // BLOCK_SIZE
+        c2 = await _run(nc, fresh.worker_id, prefill_job(unique(), prompt, dc0, max_tokens=6, salt=salt))
+        final = await c2.wait_final()
+    assert final.cached_tokens >= len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+    assert c2.events[0].worker_id == fresh.worker_id
+    assert c2.ordered == reference(prompt, 6)
 
 
 async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
