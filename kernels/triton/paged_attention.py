@@ -3,9 +3,11 @@
 Program (seq, query tile, kv head) owns ``BLOCK_Q`` new tokens of one
 sequence times the ``G = Hq // Hkv`` query heads that share the kv head,
 packed as rows, so decode (BLOCK_Q = 1) still fills a tile with GQA heads.
-It walks the sequence's blocks (one cache block per step, online softmax)
-up to the last key its latest token may see; the mask is causal across the
-cached prefix and the new tokens. Contract: kernels/paged_attention.py.
+It walks the sequence's keys in tiles of ``BLOCK_N`` (each key's cache block
+looked up in the block table, so a tile spans several blocks of any
+block_size), with online softmax, up to the last key its latest token may
+see; the mask is causal across the cached prefix and the new tokens.
+Contract: kernels/paged_attention.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 _PREFILL_ROWS = 64  # rows per tile (tokens x group heads) when any sequence is multi-token
+_KEY_TILE = 64  # keys per step, across cache blocks (any block_size works)
 _MIN_DOT = 16  # tl.dot wants every dimension at least 16 on GPU
 
 
@@ -43,6 +46,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -66,26 +70,29 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         last_tok = tl.minimum(tile_start + BLOCK_Q, qlen) - 1
-        num_blocks = tl.cdiv(ctx - qlen + last_tok + 1, BLOCK_N)
+        num_tiles = tl.cdiv(ctx - qlen + last_tok + 1, BLOCK_N)
         n = tl.arange(0, BLOCK_N)
-        kv_off = n[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        for b in range(0, num_blocks):
-            bid = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
+        for b in range(0, num_tiles):
             kpos = b * BLOCK_N + n
+            in_ctx = kpos < ctx
+            # A key tile spans BLOCK_N / BLOCK_SIZE cache blocks: look each key's block up.
+            bid = tl.load(bt_ptr + seq * stride_bt + kpos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+            slot = bid * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
+            kv_off = slot[:, None] + kvh * stride_kh + d[None, :]
             # Slots past the context may hold anything (NaN included): never load them,
             # since a masked score still multiplies its V row by zero.
-            kv_mask = (kpos < ctx)[:, None] & dm[None, :]
-            k = tl.load(k_ptr + bid * stride_kb + kv_off, mask=kv_mask, other=0.0)
+            kv_mask = in_ctx[:, None] & dm[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             # Key 0 is visible to every row, so each row's running max is finite
-            # after block 0 and fully masked later blocks add exact zeros.
-            visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx)
+            # after tile 0 and fully masked later tiles add exact zeros.
+            visible = (kpos[None, :] <= qpos[:, None]) & in_ctx[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + bid * stride_kb + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
@@ -110,7 +117,6 @@ def paged_attention_triton(
     if t == 0:
         return out
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
-    assert bs >= _MIN_DOT and bs == triton.next_power_of_2(bs), "block_size: a power of two, at least 16"
     assert kv_layer.stride(-1) == 1, "head_dim must be the innermost, contiguous axis"
     group = hq // hkv
     max_qlen = int(query_lens.max())
@@ -142,8 +148,9 @@ def paged_attention_triton(
         G=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=bs,
+        BLOCK_N=_KEY_TILE,
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(d)),
+        BLOCK_SIZE=bs,
         # fp32 must stay fp32 (no TF32) to match the torch path; others use the default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )

@@ -46,7 +46,8 @@ def variants() -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, 
         sig = _signature(_paged_attention_kernel, ptrs, floats=("scale",))
         # small preset (group 3, D 64) prefill and decode tiles; tiny preset head_dim 16
         for g, bq, bm, bd in tiles:
-            consts = {"G": g, "BLOCK_Q": bq, "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_D": bd, "DOT_PRECISION": precision}
+            consts = {"G": g, "BLOCK_Q": bq, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_D": bd, "BLOCK_SIZE": 16}
+            consts["DOT_PRECISION"] = precision
             out.append((f"paged_attention {dt} G={g} BLOCK_Q={bq} D={bd}", _paged_attention_kernel, sig, consts))
     rope_ptrs = {"x_ptr": "*fp32", "out_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     rope_sig = _signature(_rope_kernel, rope_ptrs)

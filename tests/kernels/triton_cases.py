@@ -64,7 +64,11 @@ def test_interpreter_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
         use_triton(cpu)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "consecutive"), [(*h, False) for h in HEADS] + [(*HEADS[1], True)])
+# plus consecutive tables, and block sizes that are not 16/32 (a key tile spans several blocks)
+MIXED = [(*h, False) for h in HEADS] + [(*HEADS[1], True), (4, 2, 32, 8, False), (4, 2, 32, 24, False)]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "consecutive"), MIXED)
 def test_paged_attention_mixed_batch(
     monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, d: int, bs: int, consecutive: bool
 ) -> None:
