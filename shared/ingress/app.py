@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.ingress.admission import IngressState
@@ -38,8 +39,15 @@ class RequestIdMiddleware:
     Also counts every response by route and status (`count`); unknown paths count as one label.
     """
 
-    def __init__(self, app: ASGIApp, count: Callable[[str, int], None], routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None], routes: list[BaseRoute]) -> None:
         self.app, self.count, self.routes = app, count, routes
+
+    def label(self, scope: Scope) -> str:
+        """The route template (`/v1/caches/{cache_id}`), a bounded label; `other` for unknown paths."""
+        for route in self.routes:
+            if route.matches(scope)[0] is Match.FULL:
+                return getattr(route, "path", "other")
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,8 +63,7 @@ class RequestIdMiddleware:
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
-                path = scope.get("path", "")
-                self.count(path if path in self.routes else "other", message["status"])
+                self.count(self.label(scope), message["status"])
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (header, request_id.encode())]
             await send(message)
@@ -121,7 +128,9 @@ def create_app(state: IngressState, registry: CollectorRegistry | None = None) -
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    routes = [r for r in app.routes if isinstance(r, BaseRoute)]
     app.include_router(openai_api.router)
+    routes += openai_api.router.routes
     for module, attr in _OPTIONAL_ROUTERS:
         try:
             mod = importlib.import_module(module)
@@ -130,8 +139,8 @@ def create_app(state: IngressState, registry: CollectorRegistry | None = None) -
                 raise
             continue
         app.include_router(getattr(mod, attr))
+        routes += getattr(mod, attr).routes
         getattr(mod, "install", lambda _state: None)(state)  # e.g. named caches set state.cache_lookup
-    routes = frozenset(getattr(r, "path", "") for r in app.routes)
     app.add_middleware(RequestIdMiddleware, routes=routes,
                        count=lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
     return app

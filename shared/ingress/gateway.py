@@ -11,6 +11,7 @@ Leaving the iteration early (client gone) aborts the request on its worker.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,8 +51,11 @@ class Usage:
     prefill_worker: str = ""
     decode_worker: str = ""
     attempts: int = 1
+    first_token_at: float = 0.0  # time.monotonic() when the first token arrived
 
     def take(self, event: TokenEvent) -> None:
+        if not self.first_token_at:
+            self.first_token_at = time.monotonic()
         if event.prompt_tokens and not self.prompt_tokens:
             self.prompt_tokens = event.prompt_tokens
             self.cached_tokens = event.cached_tokens

@@ -108,6 +108,9 @@ def _envelope(req: GenerationRequest, model: str, chat: bool, stream: bool) -> d
 
 
 def _account(adm: Admitted, usage: Usage, completion_tokens: int) -> None:
+    log.info("request finished", tenant=adm.principal.tenant, prompt_tokens=usage.prompt_tokens,
+             cached_tokens=usage.cached_tokens, completion_tokens=completion_tokens, attempts=usage.attempts,
+             prefill_worker=usage.prefill_worker, decode_worker=usage.decode_worker)
     m = adm.state.metrics
     m.prompt_tokens.inc(usage.prompt_tokens)
     m.cached_tokens.inc(usage.cached_tokens)
@@ -119,8 +122,8 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: b
     started = time.monotonic()
     if not body.stream:
         done = await adm.state.gateway.complete(req)
-        adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
         usage = done.usage
+        adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
         _account(adm, usage, len(done.token_ids))
         if chat:
             adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
@@ -134,7 +137,7 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: b
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
-    adm.state.metrics.ttft_seconds.labels(route).observe(time.monotonic() - started)
+    adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
     return StreamingResponse(_chunks(adm, req, body, chat, usage, first, events),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **route_header(usage)})
 

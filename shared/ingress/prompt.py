@@ -76,18 +76,22 @@ class PromptBuilder:
     def tokenize(self, tenant: str, rendered: str, messages: list[dict]) -> list[int]:
         """Piecewise ids of `rendered` (the template text of `messages`), split at assistant contents."""
         ids: list[int] = []
-        pos = 0
+        pos = 0  # end of the last piece tokenized
+        cursor = 0  # end of the last message found: an answer's text is looked for only after its predecessors
         for msg in messages:
             content = msg.get("content")
-            if msg.get("role") != "assistant" or not isinstance(content, str) or not content:
+            if not isinstance(content, str) or not content:
                 continue
-            at = rendered.find(content, pos)
+            at = rendered.find(content, cursor)
             if at < 0:  # the template rewrote the content (e.g. stripped it): leave it to plain encoding
+                continue
+            cursor = at + len(content)
+            if msg.get("role") != "assistant":
                 continue
             ids += self.tokenizer.encode(rendered[pos:at])
             recalled = self.memory.recall(tenant, content)
             ids += list(recalled) if recalled is not None else self.tokenizer.encode(content)
-            pos = at + len(content)
+            pos = cursor
         ids += self.tokenizer.encode(rendered[pos:])
         return ids
 

@@ -147,3 +147,36 @@ def test_client_disconnect_aborts_on_the_worker(stack: ServingStack) -> None:
 
     request_id, aborts = asyncio.run(scenario())
     assert [a.request_id for a in aborts] == [request_id]
+
+
+def test_stop_seed_and_token_limits(stack: ServingStack) -> None:
+    c = client(stack)
+    model = stack.model_dir.name
+    base = {"model": model, "messages": [{"role": "user", "content": "Count the waves."}], "temperature": 0}
+    full = c.chat.completions.create(**base, max_tokens=24).choices[0].message.content
+    assert len(full) > 6
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = c.chat.completions.create(**base, max_tokens=24, stop=[stop, "never-appears"]).choices[0]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
+    short = c.chat.completions.create(**base, max_completion_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    sampled = {**base, "temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_tokens": 16,
+               "user": "u-1", "safety_identifier": "hash-1"}
+    one = c.chat.completions.create(**sampled).choices[0].message.content
+    assert c.chat.completions.create(**sampled).choices[0].message.content == one  # same seed, same tokens
+
+
+def test_metrics_and_headers(stack: ServingStack) -> None:
+    import httpx
+
+    r = httpx.post(f"{stack.base_url}/v1/completions", headers={"authorization": "Bearer sk-alpha",
+                                                                "x-session-id": "sess-42"},
+                   json={"model": stack.model_dir.name, "prompt": "metrics please", "max_tokens": 2,
+                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"].startswith("req_")
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    text = httpx.get(f"{stack.base_url}/metrics").text
+    assert 'kvmesh_ingress_requests_total{route="/v1/completions",status="200"}' in text
+    assert "kvmesh_ingress_ttft_seconds_count" in text and "kvmesh_ingress_cached_tokens_total" in text
+    assert httpx.get(f"{stack.base_url}/readyz").status_code == 200
+    assert '"session_id": "sess-42"' in stack.log("ingress-0") or '"session_id":"sess-42"' in stack.log("ingress-0")
