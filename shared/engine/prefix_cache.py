@@ -156,10 +156,6 @@ class PrefixCache:
         """Take a reference on one cached block (it leaves the evictable set while held)."""
         self._take(block, self._clock())
 
-    def touch(self, block: Block) -> None:
-        """Take one more reference on a block (cached or not) that is already in use."""
-        self.pool.incref(block)
-
     # --- caching ------------------------------------------------------
 
     def store(
