@@ -62,9 +62,16 @@ class DecodeWorker:
             salt = bytes.fromhex(job.tenant_salt)
         except ValueError as exc:
             raise PermanentError(f"bad job: {exc}") from None
-        engine = self.rt.engine
         stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, len(job.generated),
                              job.prompt_tokens, job.cached_tokens)
+        try:
+            await self._decode(job, salt, stream)
+        except BaseException:  # failed or drained away (the job is nak'ed): this stream says nothing more
+            stream.cancel()
+            raise
+
+    async def _decode(self, job: DecodeJob, salt: bytes, stream: TokenStream) -> None:
+        engine = self.rt.engine
         if time.time() >= job.deadline:
             await stream.finish("error", error="deadline passed before decode started")
             return
@@ -88,25 +95,29 @@ class DecodeWorker:
         except TimeoutError:
             await stream.finish("error", error="deadline passed during decode")
             return
-        except asyncio.CancelledError:  # drained away (SIGTERM): the job is nak'ed and the ingress migrates
-            stream.cancel()
-            raise
         finally:
             if self._engine_ids.get(job.request_id) == engine_id:
                 del self._engine_ids[job.request_id]
         if out.finish_reason == "abort":  # a newer attempt took over here, or the client went away
             stream.cancel()
             return
-        full = job.prompt_ids + out.token_ids
-        produced = await engine.call(lambda e: e.export_blocks(e.block_hashes(full, salt)))
-        self.rt.tiers.register(produced, job.tenant_salt)
+        produced = await self._register(job.prompt_ids + out.token_ids, salt, job.tenant_salt)
         await stream.finish(out.finish_reason, cache_created_tokens=job.cache_created_tokens)
         log.info("decoded", request_id=job.request_id, attempt=job.attempt, output_tokens=len(out.token_ids),
                  resumed_from=len(job.generated), sources={t.value: n for t, n in sources.items() if n},
-                 registered_blocks=len(produced))
+                 registered_blocks=produced)
         if self.audit is not None and out.finish_reason in ("stop", "length"):
             case = AuditCase(job.request_id, job.prompt_ids, job.sampling.to_params(), salt, out.token_ids)
             self.audit.consider(case, max(job.cached_tokens, out.cached_tokens))
+
+    async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str) -> int:
+        """Full blocks of prompt + output into L2 (+ L3 queue); how many the chain has there now."""
+        tiers = self.rt.tiers
+        hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
+        missing = tiers.missing(hashes)
+        exported = await self.rt.engine.call(lambda e: e.export_blocks(missing)) if missing else []
+        handles, _ = tiers.register(hashes, exported, tenant_salt)
+        return len(handles)
 
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request here and publish nothing more for it."""

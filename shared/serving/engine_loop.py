@@ -113,8 +113,9 @@ class EngineLoop:
         return self._loop.create_future()
 
     def _run(self) -> None:
+        stalled = False  # the last step scheduled nothing although requests wait (pool held by pins)
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished() and not self._background
+            idle = stalled or (not self.engine.has_unfinished() and not self._background)
             try:
                 cmd = self._commands.get(timeout=self.idle_wait_s) if idle else self._commands.get_nowait()
             except queue.Empty:
@@ -126,8 +127,10 @@ class EngineLoop:
                 return
             if not self.engine.has_unfinished() and self._background:
                 self._apply(self._background.popleft())
+            stalled = False
             if self.engine.has_unfinished():
                 self._step()
+                stalled = not self.engine.scheduler.running and self.engine.has_unfinished()
 
     def _next_nowait(self):
         try:

@@ -98,14 +98,18 @@ class PrefillWorker:
             self._engine_ids.pop(job.request_id, None)
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
-        blocks = await engine.call(lambda e: e.export_blocks(reach.hashes))
-        handles, chain = self.rt.tiers.register(blocks, job.tenant_salt)
+        tiers = self.rt.tiers
+        missing = tiers.missing(reach.hashes)
+        exported = await engine.call(lambda e: e.export_blocks(missing)) if missing else []
+        handles, chain = tiers.register(reach.hashes, exported, job.tenant_salt)
         created = await apply_pins(engine, self.rt.tiers, job.pins, reach.hashes, out.cached_tokens)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
                  cached_tokens=out.cached_tokens, sources={t.value: n for t, n in reach.sources.items() if n},
                  handles=len(handles))
         if job.prefill_only:
             await self._named_cache(job, chain, out.cached_tokens, created)
+            return
+        if self.ledger.aborted(job.request_id):  # the client left while this ran: hand nothing on
             return
         first = out.token_ids[0]
         usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
@@ -128,7 +132,11 @@ class PrefillWorker:
 
     async def _named_cache(self, job: PrefillJob, chain: list, cached: int, created: int) -> None:
         ttl = max((p.ttl_s for p in job.pins), default=self.rt.tiers.l3.ttl_s if self.rt.tiers.l3 else 0.0)
-        ok = await asyncio.wait_for(self.rt.tiers.write_l3_now(chain, job.tenant_salt, ttl), self.settings.l3_wait_s)
+        try:
+            ok = await asyncio.wait_for(self.rt.tiers.write_l3_now(chain, job.tenant_salt, ttl),
+                                        self.settings.l3_wait_s)
+        except TimeoutError:
+            ok = False
         if not ok:
             await self._fail(job, "named cache not written to L3 (object storage unavailable)", retriable=True)
             return

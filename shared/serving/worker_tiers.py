@@ -1,9 +1,10 @@
 """A worker's tiers below the engine: its L2, its L3 store and upload queue, its peer clients.
 
-`register` is how finished blocks leave the engine: each goes into this
-worker's L2 (shared memory, so same-host peers map it) and the whole chain
-is queued for L3 (chunk keys are positional, so a chain always goes from its
-first block). The handles it returns name this worker's L2 copy; a decode
+`register` is how finished blocks leave the engine: each block L2 lacks
+goes into this worker's L2 (shared memory, so same-host peers map it) and,
+when the chain grew, the whole chain is queued for L3 (chunk keys are
+positional, so a chain always goes from its first block; chunks already
+there are skipped). The handles it returns name this worker's L2 copy; a decode
 worker resolves them through its `Resolver` (own L2, the owner's shared
 memory, the owner over NATS, L3).
 """
@@ -11,7 +12,7 @@ memory, the owner over NATS, L3).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from nats.aio.client import Client as NATS
 
@@ -48,7 +49,6 @@ class WorkerTiers:
     counters: MissCounters
     _peer_server: NatsPeerServer | None = None
     _peer_client: NatsPeerClient | None = None
-    _l3_ready: bool = field(default=False)
 
     @classmethod
     async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int) -> WorkerTiers:
@@ -77,24 +77,36 @@ class WorkerTiers:
             await self._peer_client.close()
         self.l2.close()
 
-    def register(self, blocks: list[KVBlock], tenant_salt: str) -> tuple[list[BlockHandle], list]:
-        """Put a chain (position 0 first) into L2 and queue it for L3; its handles and encoded blocks.
+    def missing(self, hashes: list[bytes]) -> list[bytes]:
+        """The hashes not in this worker's L2: only these need to leave the engine."""
+        return [h for h in hashes if h not in self.l2]
 
-        A block L2 cannot take (pinned full) ends the handles: a decode worker recomputes from there.
+    def register(self, hashes: list[bytes], exported: list[KVBlock], tenant_salt: str) -> tuple[list[BlockHandle], list]:
+        """Put the chain `hashes` (position 0 first) into L2 and, if it grew, queue it for L3.
+
+        `exported` holds the blocks L2 lacked (from the engine). Returns the handles of the leading
+        run that L2 holds, and the encoded chain (for a direct L3 write). A block neither in L2 nor
+        exported ends the chain; one L2 cannot take (pinned full) ends the handles only.
         """
+        by_hash = {kb.block_hash: kb for kb in exported}
         handles: list[BlockHandle] = []
         chain: list = []
-        for kb in blocks:
-            handle = self.l2.handle(kb.block_hash)
-            encoded = self.l2.get_encoded(kb.block_hash) if handle is not None else None
-            if handle is None or not isinstance(encoded, memoryview):
+        grew = False
+        for h in hashes:
+            handle = self.l2.handle(h)
+            encoded = self.l2.get_encoded(h) if handle is not None else None
+            if not isinstance(encoded, memoryview):
+                kb = by_hash.get(h)
+                if kb is None:
+                    break
                 encoded = encode_kv_block(kb, self.l2.fingerprint)
                 put = self.l2.put_encoded(encoded)
                 handle = put.handle if put.stored else None
+                grew = True
             chain.append(encoded)
             if handle is not None and len(handles) == len(chain) - 1:
                 handles.append(handle)
-        if self.uploads is not None and chain:
+        if grew and self.uploads is not None:
             self.uploads.submit(namespace_for(tenant_salt), chain)
         return handles, chain
 
