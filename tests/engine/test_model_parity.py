@@ -173,8 +173,9 @@ def test_triton_kernels_give_the_same_logits(tiny_model_dir: Path, tmp_path: Pat
     """The model drives the Triton kernels (interpreted on CPU, in a fresh process) to the same logits."""
     out = tmp_path / "logits.pt"
     env = {**os.environ, "KVMESH_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).parent), str(tiny_model_dir), str(out)],
-        env=env, check=True, capture_output=True, timeout=240,
+        env=env, capture_output=True, text=True, timeout=240,
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(torch.load(out), run_mixed_batch(load_model(tiny_model_dir)), atol=ATOL, rtol=0)
