@@ -157,3 +157,32 @@ def test_import_rejects_bad_chains(loaded: LoadedModel) -> None:
     b = tampered[1]
     tampered[1] = type(b)(b.block_hash, b.parent_hash, (b.token_ids[0] + 1,) + b.token_ids[1:], b.data)
     assert engine(loaded).import_blocks(tampered) == 1  # stops at the first bad block
+
+
+class EventLog:
+    def __init__(self) -> None:
+        self.stored: list[tuple[bytes, bytes | None, int]] = []
+        self.removed: list[bytes] = []
+
+    def block_stored(self, block_hash: bytes, parent_hash: bytes | None, num_tokens: int) -> None:
+        self.stored.append((block_hash, parent_hash, num_tokens))
+
+    def block_removed(self, block_hash: bytes) -> None:
+        self.removed.append(block_hash)
+
+
+def test_kv_events_and_side_effect_free_lookup(loaded: LoadedModel) -> None:
+    log = EventLog()
+    eng = Engine(loaded, EngineSettings(block_size=8, num_blocks=8), listener=log)
+    p = list(range(10, 34))  # 3 full blocks
+    eng.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))
+    hashes = eng.block_hashes(p)
+    assert [s[0] for s in log.stored[:3]] == hashes
+    assert [s[1] for s in log.stored[:3]] == [None, hashes[0], hashes[1]]
+    assert all(s[2] == 8 for s in log.stored)
+    before = (eng.cache.stats.queries, eng.cache.stats.hit_tokens)
+    assert eng.cached_prefix_tokens(p) == 24
+    assert (eng.cache.stats.queries, eng.cache.stats.hit_tokens) == before
+    eng.generate([list(range(500, 556))], SamplingParams(max_tokens=4, ignore_eos=True))  # needs the whole pool
+    assert set(hashes) <= set(log.removed) and eng.cache.stats.evictions >= 3
+    assert eng.cached_prefix_tokens(p) == 0
