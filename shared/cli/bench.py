@@ -64,3 +64,22 @@ def bus(
 
     result = run_bus_bench(BusBenchConfig(messages=messages))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def serve(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir; default: --preset in a temp dir.")] = None,
+    preset: Annotated[str, typer.Option(help="tiny or small (when --model is not given).")] = "tiny",
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions driven at once.")] = 4,
+    sessions: Annotated[int, typer.Option(min=1, help="Agent sessions (conversations).")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per session.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=2, help="Tokens per answer.")] = 16,
+    l3: Annotated[bool, typer.Option(help="Workers with the S3 tier (--no-l3: L2 only).")] = True,
+) -> None:
+    """Multi-turn agent workload through the OpenAI SDK on a stack of its own: cache on vs off."""
+    from bench.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(model_dir=model, preset=preset, concurrency=concurrency, sessions=sessions, turns=turns,
+                           max_tokens=max_tokens, l3=l3)
+    typer.echo(json.dumps(run_serve_bench(cfg), indent=None if json_out else 2))
