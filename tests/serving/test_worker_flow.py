@@ -86,6 +86,20 @@ async def test_two_turns_hit_previous_answer_and_match_reference(stack, nats_ser
         await c2.close()
 
 
+async def test_concurrent_requests_batch_in_decode_and_match_reference(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompts = [_prompt(reference, f"Request number {i} shares a decode batch with its neighbours. " * (1 + i % 3))
+               for i in range(5)]
+    async with connected(nats_server.url) as nc:
+        colls = [await _run(nc, pf, prefill_job(unique(), p, dc0, max_tokens=12 + i)) for i, p in enumerate(prompts)]
+        finals = await asyncio.gather(*(c.wait_final() for c in colls))
+        for c in colls:
+            await c.close()
+    for i, (p, c, f) in enumerate(zip(prompts, colls, finals)):
+        assert f.error is None
+        assert c.ordered == reference(p, 12 + i), f"request {i} differs from the in-process engine"
+
+
 async def test_first_token_can_finish_at_prefill(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "One token only, please.")
