@@ -11,6 +11,7 @@ Leaving the iteration early (client gone) aborts the request on its worker.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +116,8 @@ class Gateway:
                 yield event
         finally:
             self.in_flight -= 1
-            await run.close()
+            # shielded: a cancelled client task must still unsubscribe and send the abort
+            await asyncio.shield(run.close())
 
     async def complete(self, req: GenerationRequest) -> Completion:
         usage = Usage()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
+from shared.bus.publish import PublishError
 from shared.ingress.errors import ErrorKind
 from shared.ingress.gateway import GatewayError, Usage
 from shared.log import get_logger
@@ -190,8 +191,7 @@ class RequestRun:
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
                          prefill_only=req.prefill_only, deadline=self._deadline)
         self.usage.prefill_worker, self.usage.decode_worker = self.prefill_worker, self.decode_worker
-        await self.gw.publisher.publish(subjects.jobs_prefill(self.prefill_worker), job,
-                                        msg_id=f"{req.request_id}:{self.attempt}")
+        await self._publish(subjects.jobs_prefill(self.prefill_worker), job)
 
     async def _migrate(self) -> None:
         req = self.req
@@ -203,8 +203,14 @@ class RequestRun:
                         prompt_tokens=len(req.prompt_ids), cached_tokens=self.usage.cached_tokens,
                         deadline=self._deadline)
         self.usage.decode_worker = self.decode_worker
-        await self.gw.publisher.publish(subjects.jobs_decode(self.decode_worker), job,
-                                        msg_id=f"{req.request_id}:{self.attempt}")
+        await self._publish(subjects.jobs_decode(self.decode_worker), job)
+
+    async def _publish(self, subject: str, job: PrefillJob | DecodeJob) -> None:
+        """Publish with the idempotent msg id; a bus that stays down past the retry budget is a 503/529."""
+        try:
+            await self.gw.publisher.publish(subject, job, msg_id=f"{self.req.request_id}:{self.attempt}")
+        except PublishError as exc:
+            raise GatewayError(ErrorKind.OVERLOADED, f"cannot hand the job to the bus: {exc}") from exc
 
     async def _recover(self, reason: str) -> None:
         self.attempt += 1
