@@ -126,6 +126,18 @@ class IngressSettings(BaseModel):
     assistant_memory: int = 4096  # per tenant: assistant texts whose generated ids are spliced back into prompts
 
 
+class IndexSettings(BaseModel):
+    """KV events (worker side) and the cache-index service."""
+
+    flush_interval_s: float = 0.02  # a worker batches its events this long before publishing
+    max_batch_hashes: int = 8192  # hashes per published batch (~70 B each: well under KV_EVENTS' 1 MiB)
+    max_pending_hashes: int = 1_000_000  # unpublished backlog kept while NATS is down; beyond: dropped (a gap)
+    dump_timeout_s: float = 5.0  # the index waits this long for a worker's state dump
+    snapshot_every_events: int = 200_000  # events applied between two snapshots
+    snapshot_every_s: float = 60.0
+    snapshot_name: str = "index"  # object name in the snapshot bucket (one per index deployment)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVMESH_",
@@ -156,6 +168,7 @@ class Settings(BaseSettings):
     bus: BusSettings = Field(default_factory=BusSettings)
     workers: WorkerSettings = Field(default_factory=WorkerSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
+    index: IndexSettings = Field(default_factory=IndexSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -8,6 +8,7 @@ Layout (`<x>` is one token: no dots, spaces or wildcards):
     kvmesh.tokens.<request>             decode -> ingress: streamed tokens (stream TOKENS)
     kvmesh.abort.<worker>               ingress -> prefill/decode: stop a request (core NATS, AbortRequest)
     kvmesh.kv.events.<worker>           any worker -> cache-index: BlockStored/BlockRemoved/... (stream KV_EVENTS)
+    kvmesh.kv.dump.<worker>             cache-index -> a worker: send your whole L1/L2 state (request, chunked reply)
     kvmesh.cmd.<worker>                 eviction / ops -> a worker: demote, delete, drain (stream COMMANDS)
     kvmesh.load.<worker>                worker load reports for eviction and routing (core NATS)
     kvmesh.index.lookup                 ingress -> cache-index: longest-prefix query (request/reply)
@@ -84,6 +85,12 @@ def kv_events(worker_id: str) -> str:
     return f"{ROOT}.kv.events.{token(worker_id)}"
 
 
+# State dumps: the cache index asks one worker for its whole L1/L2 state after a sequence gap
+# (core NATS; the reply is several chunk messages to the request's inbox).
+def kv_dump(worker_id: str) -> str:
+    return f"{ROOT}.kv.dump.{token(worker_id)}"
+
+
 # Commands to one worker (demote, delete, drain).
 COMMANDS_ALL = f"{ROOT}.cmd.>"
 
@@ -103,6 +110,7 @@ def load(worker_id: str) -> str:
 # Request/reply endpoints (core NATS, queue groups).
 INDEX_LOOKUP = f"{ROOT}.index.lookup"
 INDEX_SNAPSHOT = f"{ROOT}.index.snapshot"
+INDEX_SNAPSHOT_BUCKET = "cache_index"  # JetStream object store holding the index snapshot
 EVICTION_PIN = f"{ROOT}.eviction.pin"
 
 # Dead letters: a poison message of stream S is copied to dead_letter(S).

@@ -1,0 +1,102 @@
+"""KV events: what a worker tells the cache index about the blocks it holds.
+
+A worker numbers its events 1, 2, 3 ... within an epoch (one process
+lifetime; the epoch id is the start time in ns, so a newer incarnation has a
+larger id). The first event of every epoch is `WorkerCleared`: whatever the
+index held for an older epoch of that worker is gone. Events travel in
+`KVEventBatch`es of consecutive sequence numbers on `subjects.kv_events(worker)`
+(stream KV_EVENTS); the index detects a missing number and asks the worker for
+a state dump. Hashes are hex strings of the engine's `BlockHash` bytes.
+Every event is idempotent (set or clear a tier of a block), so a duplicate
+or a replay after a dump changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from shared.protocol.base import Message
+from shared.tiers.miss import Tier
+
+# Tiers an index entry can name. PEER is a way of reaching another worker's L2, not a place.
+INDEXED_TIERS = (Tier.L1, Tier.L2, Tier.L3)
+
+
+class BlockStored(Message):
+    """`hashes` (a chain run, in order; `parent` precedes the first) now held in `tier`."""
+
+    kind: Literal["stored"] = "stored"
+    seq: int = Field(ge=1)
+    hashes: list[str] = Field(min_length=1)
+    parent: str | None = None
+    tokens_per_block: int = Field(ge=1)
+    tier: Tier
+
+
+class BlockRemoved(Message):
+    """`hashes` are no longer held in `tier` (evicted or deleted)."""
+
+    kind: Literal["removed"] = "removed"
+    seq: int = Field(ge=1)
+    hashes: list[str] = Field(min_length=1)
+    tier: Tier
+
+
+class BlockMoved(Message):
+    """`hashes` left `src` and are now in `dst` (demotion L1 -> L2 -> L3, or a promotion)."""
+
+    kind: Literal["moved"] = "moved"
+    seq: int = Field(ge=1)
+    hashes: list[str] = Field(min_length=1)
+    src: Tier
+    dst: Tier
+
+
+class WorkerCleared(Message):
+    """The worker holds nothing in L1/L2 (a restart, or an explicit clear)."""
+
+    kind: Literal["cleared"] = "cleared"
+    seq: int = Field(ge=1)
+
+
+KVEvent = Annotated[BlockStored | BlockRemoved | BlockMoved | WorkerCleared, Field(discriminator="kind")]
+
+
+class KVEventBatch(Message):
+    """Consecutive events of one worker epoch: `events[i].seq == events[0].seq + i`."""
+
+    worker: str = Field(min_length=1)
+    epoch: int = Field(ge=0)
+    events: list[KVEvent] = Field(min_length=1)
+
+    @property
+    def first_seq(self) -> int:
+        return self.events[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.events[-1].seq
+
+    def msg_id(self) -> str:
+        """The Nats-Msg-Id: a republish of the same batch is dropped by the stream's duplicate window."""
+        return f"kvev-{self.worker}-{self.epoch}-{self.first_seq}-{self.last_seq}"
+
+
+class StateDumpRequest(Message):
+    """Asks a worker for its whole L1/L2 state (sent when the index saw a sequence gap)."""
+
+    max_hashes_per_chunk: int = Field(ge=1)
+
+
+class StateDumpChunk(Message):
+    """One part of a worker's state as of event `seq` of `epoch`; the reply is `chunks` of these."""
+
+    worker: str
+    epoch: int
+    seq: int = Field(ge=0)  # every event <= seq is reflected in the state; later ones may be too
+    chunk: int = Field(ge=0)
+    chunks: int = Field(ge=1)
+    l1: list[str]
+    l2: list[str]
