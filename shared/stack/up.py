@@ -137,6 +137,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
         keys_file = settings.ingress.keys_file or state_dir / KEYS_FILE
         key = ensure_dev_key(keys_file)
         say(f"created a dev API key (tenant 'dev'): {key}" if key else f"API keys: {keys_file}")
+        say(f"API: http://{settings.ingress.host}:{settings.ingress.port}/v1 (OpenAI and Anthropic dialects)")
     for spec in specs:
         for i in range(spec.replicas):
             started = start_service(spec, i, ctx, state_dir / "logs")
