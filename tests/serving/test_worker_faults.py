@@ -17,7 +17,7 @@ from shared.bus.publish import Publisher
 from shared.protocol import subjects
 from shared.protocol.serving import DecodeJob, SamplingSpec
 
-from .harness import SALT_A, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import TokenCollector, WorkerProcs, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
