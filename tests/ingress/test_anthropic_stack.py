@@ -6,6 +6,7 @@ The SDK no longer sends `temperature`, so greedy runs pass it in `extra_body`.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +173,29 @@ def test_tenants_never_share(stack: ServingStack) -> None:
     assert client(stack, "sk-anth-a").messages.create(**args).usage.cache_read_input_tokens > 0
     b = client(stack, "sk-anth-b").messages.create(**args)
     assert b.usage.cache_read_input_tokens == 0 and b.usage.cache_creation_input_tokens > 0
+
+
+def test_decode_lost_mid_stream_is_an_error_event_then_529(stack: ServingStack) -> None:
+    """Runs last: kills the only decode worker mid-stream. No other worker to migrate to, so the stream
+    ends with an `error` event (never a silent message_stop), and new requests get 529 until one is back."""
+    import signal
+
+    model = stack.model_dir.name
+    body = {"model": model, "max_tokens": 3000, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Write a very long story."}]}
+    headers = {"x-api-key": "sk-anth-a"}
+    with httpx.stream("POST", f"{stack.base_url}/v1/messages", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        events: list[str] = []
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                events.append(line.removeprefix("event: "))
+                if events.count("content_block_delta") == 3:
+                    stack.signal("decode-0", signal.SIGKILL)
+            if line.startswith("data: ") and events and events[-1] == "error":
+                error = json.loads(line.removeprefix("data: "))
+    assert events[-1] == "error" and "message_stop" not in events, events[-5:]
+    assert error["type"] == "error" and error["error"]["type"] in ("overloaded_error", "api_error")
+    with pytest.raises(anthropic.APIStatusError) as over:
+        client(stack).messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert over.value.status_code == 529 and over.value.body["error"]["type"] == "overloaded_error"
