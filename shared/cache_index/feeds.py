@@ -92,6 +92,14 @@ class IndexState:
         if feed is not None:
             feed.dead, feed.gap, feed.held = True, False, []
 
+    def revive(self, worker: str) -> bool:
+        """The worker's heartbeat is back after a purge: True if its state must be fetched by a dump."""
+        feed = self.feeds.get(worker)
+        if feed is None or not feed.dead:
+            return False
+        feed.dead, feed.gap = False, True
+        return True
+
     # --- internals -----------------------------------------------------
 
     def _feed_for(self, worker: str, epoch: int, revive: bool = False) -> Feed | None:

@@ -62,6 +62,13 @@ class BlockIndex:
     _free: list[int] = field(default_factory=list)
     _names: dict[int, str] = field(default_factory=dict)  # slot -> worker id
 
+    @classmethod
+    def restore(cls, masks: dict[int, int], slots: dict[str, int], counts: dict[int, int]) -> BlockIndex:
+        """An index from a snapshot's parts (see shared/cache_index/snapshot.py)."""
+        used = set(slots.values())
+        free = [s for s in range(max(used, default=-1) + 1) if s not in used]
+        return cls(masks, dict(slots), dict(counts), free, {s: w for w, s in slots.items()})
+
     def __len__(self) -> int:
         return len(self.masks)
 

@@ -1,0 +1,208 @@
+"""The cache-index service: KV events in, longest-prefix lookups out, snapshots, gap repair, purges.
+
+Each replica reads the WHOLE KV_EVENTS stream through its own ordered
+consumer (ephemeral, in stream order), so every replica builds the same
+index; lookups are a queue group, so any replica answers. On start a replica
+loads the latest snapshot and replays the stream from the sequence after
+it; it reports ready once it has applied everything the stream held at
+start (until then lookups answer with `ready=False`). A sequence gap of a
+worker triggers a state dump from that worker (retried until the gap closes
+or the worker is purged). A worker whose heartbeat lapses is purged. The
+state is snapshotted every `snapshot_every_events` events or
+`snapshot_every_s` seconds, on request, and on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from shared.cache_index import snapshot
+from shared.cache_index.feeds import IndexState
+from shared.cache_index.index import key_of
+from shared.cache_index.messages import LookupReply, LookupRequest, SnapshotReply, SnapshotRequest
+from shared.config import IndexSettings
+from shared.kv_events.dump import DumpError, fetch_dump
+from shared.kv_events.events import KVEventBatch
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.protocol.base import ProtocolError
+from shared.protocol.streams import KV_EVENTS
+from shared.service.runner import ServiceContext
+from shared.service.watch import Change, watch_workers
+
+log = get_logger(__name__)
+
+_DUMP_ATTEMPTS = 30  # a dead worker's dumps fail until its heartbeat lapses and it is purged
+
+
+class CacheIndex:
+    """One replica. `start()` then serve `lookup` / `snapshot_now`; `stop()` writes a final snapshot."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, settings: IndexSettings, watch: bool = True) -> None:
+        self.nc, self.js, self.settings, self.watch = nc, js, settings, watch
+        self.state = IndexState()
+        self.ready = False
+        self.started_at = time.monotonic()
+        self.ready_after_s: float | None = None
+        self._target_seq = 0
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self._sub = None
+        self._dumping: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._snapshot_lock = asyncio.Lock()
+        self._snap_task: asyncio.Task[None] | None = None
+
+    # --- lifecycle -----------------------------------------------------
+
+    async def start(self) -> None:
+        await self._restore()
+        info = await self.js.stream_info(KV_EVENTS.name)
+        first, last = info.state.first_seq, info.state.last_seq
+        if self.state.stream_seq > last or (self.state.stream_seq + 1 < first and self.state.feeds):
+            # The snapshot is from another stream, or retention dropped events it never saw: every
+            # worker may have changed unseen, so every live feed is repaired by a dump.
+            log.warning("snapshot and stream disagree; dumping every worker",
+                        snapshot_seq=self.state.stream_seq, first=first, last=last)
+            self.state.stream_seq = min(self.state.stream_seq, last)
+            for feed in self.state.feeds.values():
+                feed.gap = not feed.dead
+        self._target_seq = last
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                    opt_start_seq=self.state.stream_seq + 1)
+        self._sub = await self.js.subscribe(subjects.KV_EVENTS_ALL, stream=KV_EVENTS.name, cb=self._on_msg,
+                                            ordered_consumer=True, config=config)
+        self._check_ready()
+        for worker in self.state.gaps():
+            self._schedule_dump(worker)
+        if self.watch:
+            self._tasks.append(asyncio.create_task(self._watch()))
+        self._tasks.append(asyncio.create_task(self._snapshot_timer()))
+
+    async def stop(self, write_snapshot: bool = True) -> None:
+        running = [*self._tasks, *self._dumping.values(), *([self._snap_task] if self._snap_task else [])]
+        for t in running:
+            t.cancel()
+        for t in running:
+            with suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+        if write_snapshot and self.ready:
+            await self.write_snapshot()
+
+    # --- endpoints -----------------------------------------------------
+
+    async def lookup(self, req: LookupRequest) -> LookupReply:
+        result = self.state.index.lookup([key_of(h) for h in req.hashes])
+        return LookupReply.of(result, len(self.state.index), self.ready)
+
+    async def snapshot_now(self, _req: SnapshotRequest) -> SnapshotReply:
+        return await self.write_snapshot()
+
+    async def write_snapshot(self) -> SnapshotReply:
+        async with self._snapshot_lock:
+            t0 = time.perf_counter()
+            blob = snapshot.encode(self.state)  # on the loop: the state does not change while encoding
+            seq, blocks = self.state.stream_seq, len(self.state.index)
+            self._since_snapshot, self._last_snapshot = 0, time.monotonic()
+            await snapshot.save(self.js, self.settings.snapshot_name, blob)
+            secs = time.perf_counter() - t0
+        log.info("index snapshot written", stream_seq=seq, blocks=blocks, bytes=len(blob), seconds=round(secs, 3))
+        return SnapshotReply(stream_seq=seq, blocks=blocks, bytes=len(blob), seconds=secs)
+
+    # --- internals -----------------------------------------------------
+
+    async def _restore(self) -> None:
+        blob = await snapshot.load(self.js, self.settings.snapshot_name)
+        if blob is None:
+            return
+        try:
+            self.state = snapshot.decode(blob)
+        except snapshot.SnapshotError as exc:
+            log.warning("index snapshot unusable; replaying the whole stream", error=str(exc))
+            self.state = IndexState()
+            return
+        log.info("index snapshot loaded", stream_seq=self.state.stream_seq, blocks=len(self.state.index))
+
+    async def _on_msg(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        try:
+            batch = KVEventBatch.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable KV event batch skipped", stream_seq=seq, error=str(exc))
+            self.state.stream_seq = max(self.state.stream_seq, seq)
+        else:
+            if self.state.apply_batch(batch, seq):
+                self._schedule_dump(batch.worker)
+            self._since_snapshot += len(batch.events)
+        self._check_ready()
+        if self._since_snapshot >= self.settings.snapshot_every_events and self.ready and (
+                self._snap_task is None or self._snap_task.done()):
+            self._snap_task = asyncio.create_task(self._safe_snapshot())
+
+    def _check_ready(self) -> None:
+        if not self.ready and self.state.stream_seq >= self._target_seq:
+            self.ready = True
+            self.ready_after_s = time.monotonic() - self.started_at
+            log.info("index ready", blocks=len(self.state.index), seconds=round(self.ready_after_s, 3))
+
+    def _schedule_dump(self, worker: str) -> None:
+        if worker not in self._dumping:
+            self._dumping[worker] = asyncio.create_task(self._repair(worker))
+
+    async def _repair(self, worker: str) -> None:
+        try:
+            for attempt in range(_DUMP_ATTEMPTS):
+                feed = self.state.feeds.get(worker)
+                if feed is None or not feed.gap or feed.dead:
+                    return
+                try:
+                    state = await fetch_dump(self.nc, worker, self.settings.dump_timeout_s)
+                except DumpError as exc:
+                    log.warning("state dump failed", worker=worker, attempt=attempt, error=str(exc))
+                    await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+                    continue
+                if not self.state.apply_dump(state):
+                    log.info("gap repaired by dump", worker=worker, seq=state.seq, l1=len(state.l1), l2=len(state.l2))
+                    return
+        finally:
+            self._dumping.pop(worker, None)
+
+    async def _watch(self) -> None:
+        async for change in watch_workers(self.js):
+            if change.change is Change.DOWN:
+                self.state.purge(change.worker_id)
+                log.info("worker purged from the index", worker=change.worker_id)
+            elif change.change is Change.UP and self.state.revive(change.worker_id):
+                self._schedule_dump(change.worker_id)  # back under the same id (restart seen as down+up)
+
+    async def _snapshot_timer(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self._last_snapshot + self.settings.snapshot_every_s - time.monotonic()))
+            due = time.monotonic() - self._last_snapshot >= self.settings.snapshot_every_s
+            if self.ready and self._since_snapshot and due:
+                await self._safe_snapshot()
+
+    async def _safe_snapshot(self) -> None:
+        try:
+            await self.write_snapshot()
+        except Exception as exc:  # noqa: BLE001 - the next trigger tries again
+            log.warning("index snapshot failed", error=repr(exc))
+
+
+async def setup_cache_index(ctx: ServiceContext) -> None:
+    """The service runner's setup: one replica, its endpoints (queue group), readiness and final snapshot."""
+    index = CacheIndex(ctx.nc, ctx.js, ctx.settings.index)
+    await index.start()
+    ctx.add_endpoint(subjects.INDEX_LOOKUP, LookupRequest, index.lookup)
+    ctx.add_endpoint(subjects.INDEX_SNAPSHOT, SnapshotRequest, index.snapshot_now)
+    ctx.ready_check = lambda: index.ready
+    ctx.on_stop.append(index.stop)

@@ -1,0 +1,124 @@
+"""BlockIndex lookups (leading runs per worker, tier runs, L3 run) and the snapshot blob."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.cache_index import snapshot
+from shared.cache_index.feeds import Feed, IndexState
+from shared.cache_index.index import BlockIndex, TierRunResult, key_of
+from shared.tiers.miss import Tier
+
+
+def keys(n: int, salt: str = "") -> list[int]:
+    return [key_of(hashlib.sha256(f"{salt}{i}".encode()).hexdigest()) for i in range(n)]
+
+
+def test_lookup_leading_runs_per_worker_with_tiers_and_l3():
+    k = keys(10)
+    idx = BlockIndex()
+    idx.add("a", Tier.L1, k[:3])
+    idx.add("a", Tier.L2, k[3:6])
+    idx.add("a", Tier.L1, k[7:])  # after a hole: unreachable as a prefix
+    idx.add("b", Tier.L2, k[:2])
+    idx.add("b", Tier.L1, k[2:8])
+    idx.add("c", Tier.L1, k[1:5])  # misses block 0: no prefix at all
+    idx.add("", Tier.L3, k[:4])
+    res = idx.lookup(k)
+    assert set(res.workers) == {"a", "b"}
+    assert res.workers["a"].blocks == 6
+    assert res.workers["a"].runs == (TierRunResult(Tier.L1, 3), TierRunResult(Tier.L2, 3))
+    assert res.workers["b"].blocks == 8
+    assert res.workers["b"].runs == (TierRunResult(Tier.L2, 2), TierRunResult(Tier.L1, 6))
+    assert res.l3_blocks == 4
+    both = BlockIndex()
+    both.add("a", Tier.L1, k[:2])
+    both.add("a", Tier.L2, k[:4])  # in L1 and L2: L1 counts
+    r = both.lookup(k).workers["a"]
+    assert r.blocks == 4 and r.runs == (TierRunResult(Tier.L1, 2), TierRunResult(Tier.L2, 2))
+
+
+def test_lookup_after_discard_and_clear_worker_keeps_l3():
+    k = keys(5)
+    idx = BlockIndex()
+    idx.add("a", Tier.L1, k)
+    idx.add("b", Tier.L1, k)
+    idx.add("", Tier.L3, k)
+    idx.discard("a", Tier.L1, k[2:3])
+    assert idx.lookup(k).workers["a"].blocks == 2
+    idx.clear_worker("b", release=True)
+    assert "b" not in idx.lookup(k).workers and idx.lookup(k).l3_blocks == 5
+    idx.add("d", Tier.L2, k[:1])  # takes b's freed slot, starts empty
+    assert idx.lookup(k).workers["d"].blocks == 1
+    assert idx.worker_blocks("a", Tier.L1) == 4 and idx.worker_blocks("d", Tier.L2) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([Tier.L1, Tier.L2, Tier.L3]),
+                          st.integers(0, 11), st.integers(1, 6), st.booleans()), max_size=60))
+def test_lookup_matches_a_naive_scan(ops):
+    k = keys(12)
+    idx = BlockIndex()
+    truth: dict[tuple[str, Tier], set[int]] = {}
+    for w, tier, start, n, add in ops:
+        name = "" if tier is Tier.L3 else f"w{w}"
+        part = k[start : start + n]
+        held = truth.setdefault((name, tier), set())
+        if add:
+            idx.add(name, tier, part)
+            held.update(part)
+        else:
+            idx.discard(name, tier, part)
+            held.difference_update(part)
+    res = idx.lookup(k)
+
+    def leading(has) -> int:
+        n = 0
+        while n < len(k) and has(k[n]):
+            n += 1
+        return n
+
+    for name in {n for n, t in truth if t is not Tier.L3}:
+        on = lambda x, name=name: x in truth.get((name, Tier.L1), ()) or x in truth.get((name, Tier.L2), ())  # noqa: E731
+        n = leading(on)
+        got = res.workers.get(name)
+        assert (got.blocks if got else 0) == n
+        if got:
+            tiers = [r.tier for r in got.runs for _ in range(r.blocks)]
+            assert tiers == [Tier.L1 if x in truth.get((name, Tier.L1), ()) else Tier.L2 for x in k[:n]]
+    assert res.l3_blocks == leading(lambda x: x in truth.get(("", Tier.L3), ()))
+
+
+@pytest.mark.parametrize("workers", [3, 40])  # 40 workers: masks wider than one 64-bit word
+def test_snapshot_round_trip(workers):
+    state = IndexState(stream_seq=77, events_applied=5)
+    for w in range(workers):
+        state.index.add(f"w{w}", Tier.L1 if w % 2 else Tier.L2, keys(50, salt=str(w % 4)))
+        state.feeds[f"w{w}"] = Feed(epoch=1000 + w, next_seq=w + 3, gap=w == 1, dead=False)
+    state.index.add("", Tier.L3, keys(20))
+    state.index.clear_worker("w2", release=True)
+    back = snapshot.decode(snapshot.encode(state))
+    assert back.stream_seq == 77 and back.events_applied == 5
+    assert back.index.masks == state.index.masks and back.index.slots == state.index.slots
+    assert back.index.counts == state.index.counts
+    assert {w: (f.epoch, f.next_seq, f.gap) for w, f in back.feeds.items()} == \
+        {w: (f.epoch, f.next_seq, f.gap) for w, f in state.feeds.items()}
+    probe = keys(50, salt="1")
+    assert back.index.lookup(probe) == state.index.lookup(probe)
+    back.index.add("new", Tier.L1, probe[:1])  # reuses w2's freed slot
+    assert back.index.slots["new"] == 2
+
+
+def test_corrupt_snapshot_is_rejected():
+    state = IndexState()
+    state.index.add("a", Tier.L1, keys(10))
+    blob = bytearray(snapshot.encode(state))
+    blob[-3] ^= 0xFF
+    with pytest.raises(snapshot.SnapshotError):
+        snapshot.decode(bytes(blob))
+    with pytest.raises(snapshot.SnapshotError):
+        snapshot.decode(b"not a snapshot")
