@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .chart import (
-    COMPONENTS, RELEASE, by_kind, merged, name, render, validate_manifests,
-)
+from .chart import COMPONENTS, RELEASE, by_kind, merged, name, render, validate_manifests
+from .settings_env import assert_settings_apply
 
 EXTERNAL = {"nats": {"deploy": False, "url": "nats://nats.messaging:4222", "streamReplicas": 3},
             "minio": {"deploy": False, "endpoint": "s3.storage:9000", "secure": True}}
@@ -213,3 +212,15 @@ def test_network_policies_admit_only_kvmesh_pods(rendered) -> None:
         expected = services | ({name("nats")} if target == "nats" else {name("minio-bucket")})
         assert allowed == expected, target
 
+
+
+def test_configmap_and_pod_env_parse_into_settings(rendered, monkeypatch) -> None:
+    from shared.config import load_settings
+
+    cm = by_kind(rendered["gpu"], "ConfigMap")[name("config")]["data"]
+    main = by_kind(rendered["gpu"], "Deployment")[name("prefill")]["spec"]["template"]["spec"]["containers"][0]
+    env = {**cm, **{e["name"]: e.get("value", "from-ref") for e in main["env"]}}
+    assert_settings_apply(monkeypatch, env)
+    s = load_settings()
+    assert s.nats.replicas == 3 and s.engine.device == "cuda" and s.service.http_port == 9090
+    assert str(s.model_dir) == "/models/tiny" and s.audit_rate == 0.0
