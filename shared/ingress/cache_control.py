@@ -96,11 +96,15 @@ def check_breakpoints(breakpoints: list[Breakpoint]) -> None:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the common prefix; bisects with C-level slice compares (prompts may be megabytes)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def place(prompts: PromptBuilder, tenant: str, conv: Conversation, rendered: str, ids: list[int],

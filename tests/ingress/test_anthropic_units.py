@@ -134,3 +134,25 @@ def test_named_cache_ttl_and_body() -> None:
             CreateCacheRequest.model_validate({"model": "m", "system": "s", **ttl}).ttl_s()
     with pytest.raises(ValueError, match="system prompt or messages"):
         CreateCacheRequest.model_validate({"model": "m"})
+
+
+def test_common_prefix_bisects() -> None:
+    from shared.ingress.cache_control import _common_prefix
+
+    assert [_common_prefix(a, b) for a, b in (("abc", "abd"), ("", "x"), ("abc", "abc"), ("abc", "abcd"),
+                                               ("x", "y"))] == [2, 0, 3, 3, 0]
+    big = "y" * 1_000_003
+    assert _common_prefix(big + "a", big + "b") == len(big)
+
+
+def test_breakpoint_inside_a_message_stops_before_the_next_block(prompts: PromptBuilder) -> None:
+    req = body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "The first block of the question.", "cache_control": EPH},
+        {"type": "text", "text": "The second block."}]}])
+    conv, bps = req.conversation()
+    rendered = prompts.render(conv.messages, conv.tools)
+    ids = prompts.tokenize("t", rendered, conv.messages)
+    (at,) = place(prompts, "t", conv, rendered, ids, bps)
+    head = prompts.tokenizer.decode(ids[: at.num_tokens], skip_special_tokens=False)
+    assert "The first block" in head and "second" not in head
+    assert head.rstrip().endswith("question.") or head.endswith("question")
