@@ -51,6 +51,7 @@ class CacheIndex:
         self.started_at = time.monotonic()
         self.ready_after_s: float | None = None
         self._target_seq = 0
+        self.messages_read = 0  # stream messages this replica read (after its snapshot)
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._sub = None
@@ -134,6 +135,7 @@ class CacheIndex:
 
     async def _on_msg(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
+        self.messages_read += 1
         try:
             batch = KVEventBatch.from_bytes(msg.data)
         except ProtocolError as exc:

@@ -103,7 +103,7 @@ async def _bucket(js: JetStreamContext):  # noqa: ANN202 - nats-py's ObjectStore
     try:
         return await js.object_store(subjects.INDEX_SNAPSHOT_BUCKET)
     except (BucketNotFoundError, NotFoundError):
-        config = api.ObjectStoreConfig(bucket=subjects.INDEX_SNAPSHOT_BUCKET, max_bytes=_BUCKET_MAX_BYTES,
+        config = api.ObjectStoreConfig(max_bytes=_BUCKET_MAX_BYTES,
                                        storage=api.StorageType.FILE,
                                        description="cache-index snapshots (latest per name)")
-        return await js.create_object_store(config=config)
+        return await js.create_object_store(subjects.INDEX_SNAPSHOT_BUCKET, config=config)

@@ -1,0 +1,166 @@
+"""The cache index over real NATS JetStream: workers' publishers -> KV_EVENTS -> replicas -> lookups.
+
+Each test takes a NATS server of its own: the lookup subject is one queue group per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from bus.helpers import FAST_BUS, connected, eventually, unique
+
+from shared.bus.publish import Publisher
+from shared.bus.request import request, serve
+from shared.cache_index.messages import LookupReply, LookupRequest
+from shared.cache_index.service import CacheIndex
+from shared.config import IndexSettings
+from shared.kv_events.dump import serve_dump
+from shared.kv_events.event_log import EventLog
+from shared.kv_events.publisher import KVEventPublisher
+from shared.metrics import ServiceMetrics
+from shared.protocol import subjects
+from shared.protocol.messages import Role
+from shared.service.heartbeat import HeartbeatLoop
+from shared.tiers.miss import Tier
+
+
+def chain(n: int, salt: str) -> list[bytes]:
+    return [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(n)]
+
+
+def index_settings(**kw) -> IndexSettings:
+    return IndexSettings(flush_interval_s=0.01, dump_timeout_s=1.0, snapshot_every_s=3600,
+                         snapshot_name=unique("snap"), **kw)
+
+
+@asynccontextmanager
+async def replica(url: str, settings: IndexSettings, watch: bool = False,
+                  write_snapshot: bool = False) -> AsyncIterator[CacheIndex]:
+    """A CacheIndex on its own connection, answering INDEX_LOOKUP in the shared queue group."""
+    async with connected(url, "index") as nc:
+        index = CacheIndex(nc, nc.jetstream(), settings, watch=watch)
+        await index.start()
+        responder = await serve(nc, subjects.INDEX_LOOKUP, LookupRequest, index.lookup, queue="cache-index")
+        try:
+            yield index
+        finally:
+            await responder.drain()
+            await index.stop(write_snapshot=write_snapshot)
+
+
+def answer(index: CacheIndex, hashes: list[bytes]) -> dict[str, int]:
+    res = index.state.index.lookup([int.from_bytes(h[:8], "big") for h in hashes])
+    return {w: m.blocks for w, m in res.workers.items()}
+
+
+async def test_two_replicas_converge_and_answer_lookups_over_nats(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    a_chain, b_chain = chain(12, "a"), chain(12, "a")[:5] + chain(7, "b")
+    async with connected(url, "workers") as nc, replica(url, s) as r1, replica(url, s) as r2:
+        pub = Publisher(nc.jetstream(), FAST_BUS)
+        wa, wb = KVEventPublisher(pub, unique("wa"), s), KVEventPublisher(pub, unique("wb"), s)
+        await wa.start(nc)
+        await wb.start(nc)
+        for i, h in enumerate(a_chain):  # the engine stores block by block: one coalesced event
+            wa.block_stored(h, a_chain[i - 1] if i else None, 16)
+        wb.stored(b_chain[:8], Tier.L2, tokens_per_block=16)
+        wb.moved(b_chain[:3], Tier.L2, Tier.L1)
+        wa.moved(a_chain[8:], Tier.L1, Tier.L3)  # demoted to object storage
+        await wa.flushed()
+        await wb.flushed()
+        want = {wa.worker_id: 8, wb.worker_id: 5}
+        await eventually(lambda: answer(r1, a_chain) == want and answer(r2, a_chain) == want, 10, "replicas converge")
+        reply = await request(nc, subjects.INDEX_LOOKUP, LookupRequest(hashes=[h.hex() for h in a_chain]),
+                              LookupReply, timeout_s=2.0)
+        assert reply.ready and reply.l3_blocks == 0  # L3 holds blocks 8.. only: no leading run
+        assert [(m.worker, m.blocks) for m in reply.workers] == [(wa.worker_id, 8), (wb.worker_id, 5)]
+        assert [(r.tier, r.blocks) for r in reply.workers[1].runs] == [(Tier.L1, 3), (Tier.L2, 2)]
+        tail = await request(nc, subjects.INDEX_LOOKUP, LookupRequest(hashes=[]), LookupReply, timeout_s=2.0)
+        assert tail.workers == [] and tail.indexed_blocks == len(r1.state.index) == len(r2.state.index)
+        assert r1.state.index.masks.keys() == r2.state.index.masks.keys()
+        await wa.stop()
+        await wb.stop()
+
+
+async def test_sequence_gap_is_repaired_by_a_chunked_state_dump(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    worker = unique("w")
+    big = chain(20_000, "big")  # > one chunk under the default 1 MB max_payload
+    async with connected(url, "worker") as nc, replica(url, s) as idx:
+        js = nc.jetstream()
+        log = EventLog(worker, max_batch_hashes=50_000)
+        dump_sub = await serve_dump(nc, worker, log.state_dump)
+        log.cleared()
+        first = log.take_batch()
+        await js.publish(subjects.kv_events(worker), first.to_bytes())
+        log.published(first.last_seq)
+        log.stored(big, Tier.L2, tokens_per_block=16)
+        lost = log.take_batch()  # never reaches the stream
+        log.published(lost.last_seq)
+        log.stored(chain(3, "after"), Tier.L1, tokens_per_block=16)
+        third = log.take_batch()
+        await js.publish(subjects.kv_events(worker), third.to_bytes())
+        log.published(third.last_seq)
+        await eventually(lambda: answer(idx, big).get(worker) == len(big), 10, "gap repaired by the dump")
+        assert answer(idx, chain(3, "after")) == {worker: 3}
+        assert idx.state.gaps() == [] and idx.state.feeds[worker].next_seq == log.seq + 1
+        await dump_sub.unsubscribe()
+
+
+async def test_dead_worker_entries_are_purged_when_its_heartbeat_lapses(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    dead, alive = unique("dead"), unique("alive")
+    blocks = chain(6, "p")
+    async with connected(url, "workers") as nc, replica(url, s, watch=True) as idx:
+        js = nc.jetstream()
+        pub = Publisher(js, FAST_BUS)
+        beats = {w: HeartbeatLoop(js, w, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=1.0,
+                                  metrics=ServiceMetrics.create("test")) for w in (dead, alive)}
+        tasks = [asyncio.create_task(b.run()) for b in beats.values()]
+        events = {w: KVEventPublisher(pub, w, s) for w in (dead, alive)}
+        for e in events.values():
+            await e.start(nc)
+            e.stored(blocks, Tier.L1, tokens_per_block=16)
+            await e.flushed()
+        await eventually(lambda: answer(idx, blocks) == {dead: 6, alive: 6}, 10, "both indexed")
+        beats[dead].stop()  # a crash: no more heartbeats, no goodbye
+        await eventually(lambda: answer(idx, blocks) == {alive: 6}, 8, "dead worker purged")
+        assert dead not in idx.state.index.slots
+        beats[alive].stop()
+        await asyncio.gather(*tasks)
+        for e in events.values():
+            await e.stop()
+
+
+async def test_snapshot_then_replay_restores_the_same_state(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    workers = [unique("w") for _ in range(3)]
+    async with connected(url, "workers") as nc:
+        pub = Publisher(nc.jetstream(), FAST_BUS)
+        events = [KVEventPublisher(pub, w, s) for w in workers]
+        for i, e in enumerate(events):
+            await e.start(nc)
+            e.stored(chain(50, f"s{i}"), Tier.L1, tokens_per_block=16)
+            await e.flushed()
+        async with replica(url, s) as first:
+            await eventually(lambda: len(first.state.index) == 150, 10, "first replica indexed")
+            snap = await first.write_snapshot()
+            assert snap.stream_seq == first.state.stream_seq and snap.blocks == 150
+            for i, e in enumerate(events):  # after the snapshot: only the replay carries these
+                e.moved(chain(10, f"s{i}"), Tier.L1, Tier.L2)
+                e.removed(chain(50, f"s{i}")[40:], Tier.L1)
+                await e.flushed()
+            await eventually(lambda: first.state.stream_seq >= snap.stream_seq + 3, 10, "first saw the tail")
+            async with replica(url, s) as second:
+                await eventually(lambda: second.ready, 10, "second replica ready")
+                assert second.messages_read == first.state.stream_seq - snap.stream_seq  # the tail only
+                assert second.state.events_applied == first.state.events_applied
+                holders = lambda r: {k: r.state.index.holders(k) for k in r.state.index.masks}  # noqa: E731
+                assert holders(second) == holders(first) and len(second.state.index) == 120
+                probe = chain(50, "s1")
+                assert answer(second, probe) == answer(first, probe) == {workers[1]: 40}
+        for e in events:
+            await e.stop()
