@@ -1,8 +1,9 @@
 """What a prefill or decode worker process holds: the model on its engine thread, its tiers, its peers.
 
 `WorkerRuntime.start(ctx)` loads `KVMESH_MODEL_DIR` (off the event loop),
-starts the engine thread, the tiers (L2, L3 uploads, peer fetch server)
-and the peer directory, and wires readiness (engine thread alive), load
+starts the KV event publisher (the engine's listener; L2/L3 changes too),
+the engine thread, the tiers (L2, L3 uploads, peer fetch server) and the
+peer directory, and wires readiness (engine thread alive), load
 (live requests) and capacity (`engine.max_num_seqs`) into the service
 context; everything is closed by the runner's stop hooks after the drain.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from shared.cache_policy.registry import get_policy
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load_model
+from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol.streams import ConsumerSpec
 from shared.service.runner import ServiceContext
 from shared.serving.engine_loop import EngineLoop
@@ -35,6 +37,7 @@ class WorkerRuntime:
     engine: EngineLoop
     tiers: WorkerTiers
     peers: PeerDirectory
+    events: KVEventPublisher  # L1 (engine), L2 and L3 changes -> the cache index
 
     @classmethod
     async def start(cls, ctx: ServiceContext) -> WorkerRuntime:
@@ -42,12 +45,14 @@ class WorkerRuntime:
         if s.model_dir is None:
             raise RuntimeError("KVMESH_MODEL_DIR is not set: a worker needs a checkpoint dir")
         loaded = await asyncio.to_thread(load_model, s.model_dir, s.engine.dtype, s.engine.device)
-        engine = EngineLoop(Engine(loaded, s.engine, get_policy(s.engine.eviction_policy)))
+        events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)
+        await events.start(ctx.nc)  # before the engine stores its first block
+        engine = EngineLoop(Engine(loaded, s.engine, get_policy(s.engine.eviction_policy), listener=events))
         engine.start()
-        tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size)
+        tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events)
         peers = PeerDirectory(ctx.js, ctx.worker_id)
         peers.start()
-        rt = cls(loaded, engine, tiers, peers)
+        rt = cls(loaded, engine, tiers, peers, events)
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)
@@ -60,3 +65,4 @@ class WorkerRuntime:
             await self.tiers.uploads.join(timeout_s=5.0)  # what is queued goes out before the process ends
         await self.tiers.close()
         await asyncio.to_thread(self.engine.stop)
+        await self.events.stop()

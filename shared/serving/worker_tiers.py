@@ -18,13 +18,14 @@ from nats.aio.client import Client as NATS
 
 from shared.config import Settings
 from shared.engine.kv_block import KVBlock
+from shared.kv_events.publisher import KVEventPublisher
 from shared.log import get_logger
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.factory import build_host_tier, build_l3_store
 from shared.tiers.handle import BlockHandle
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import MissCounters
+from shared.tiers.miss import MissCounters, Tier
 from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
 from shared.tiers.peer_shm import ShmPeerClient
 from shared.tiers.resolver import Resolver
@@ -47,17 +48,23 @@ class WorkerTiers:
     shm_peers: ShmPeerClient  # same host only: probing many peers must cost no network round trip
     resolver: Resolver  # own L2 -> the owner (shared memory, then NATS) -> L3
     counters: MissCounters
+    events: KVEventPublisher | None = None  # L2 / L3 changes for the cache index
     _peer_server: NatsPeerServer | None = None
     _peer_client: NatsPeerClient | None = None
 
     @classmethod
-    async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int) -> WorkerTiers:
+    async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int,
+                    events: KVEventPublisher | None = None) -> WorkerTiers:
         counters = MissCounters()
         l2 = build_host_tier(settings, fingerprint, worker_id, counters)
         l3 = build_l3_store(settings, fingerprint, block_size, counters)
         uploads = None
         if l3 is not None:
-            uploads = UploadQueue(l3, settings.tiers.l3_upload_queue_bytes)
+            on_uploaded = None
+            if events is not None:
+                def on_uploaded(handles: list[BlockHandle]) -> None:
+                    events.stored([h.hash_bytes for h in handles], Tier.L3, tokens_per_block=block_size)
+            uploads = UploadQueue(l3, settings.tiers.l3_upload_queue_bytes, on_uploaded=on_uploaded)
             uploads.start()
         server = NatsPeerServer(nc, l2, worker_id)
         await server.start()
@@ -66,7 +73,7 @@ class WorkerTiers:
         shm = ShmPeerClient(fingerprint, counters)
         resolver = Resolver(worker_id, l1=None, l2=l2, peers=ShmPeerClient(fingerprint, counters, client), l3=l3,
                             counters=counters)
-        return cls(worker_id, l2, l3, uploads, shm, resolver, counters, server, client)
+        return cls(worker_id, l2, l3, uploads, shm, resolver, counters, events, server, client)
 
     async def close(self) -> None:
         if self.uploads is not None:
@@ -103,12 +110,21 @@ class WorkerTiers:
                 put = self.l2.put_encoded(encoded)
                 handle = put.handle if put.stored else None
                 grew = True
+                self._announce(h, kb, put.stored, put.evicted)
             chain.append(encoded)
             if handle is not None and len(handles) == len(chain) - 1:
                 handles.append(handle)
         if grew and self.uploads is not None:
             self.uploads.submit(namespace_for(tenant_salt), chain)
         return handles, chain
+
+    def _announce(self, block_hash: bytes, kb: KVBlock, stored: bool, evicted: list[bytes]) -> None:
+        if self.events is None:
+            return
+        if evicted:
+            self.events.removed(evicted, Tier.L2)
+        if stored:
+            self.events.stored([block_hash], Tier.L2, parent=kb.parent_hash, tokens_per_block=len(kb.token_ids))
 
     def pin(self, hashes: list[bytes], until_monotonic: float) -> None:
         for h in hashes:

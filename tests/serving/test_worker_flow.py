@@ -13,6 +13,7 @@ import pytest
 from bus.helpers import FAST_BUS, connected
 
 from shared.bus.publish import Publisher
+from shared.kv_events.events import KVEventBatch
 from shared.protocol import subjects
 from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec
 from shared.serving.audit_status import read_audit_counts
@@ -98,6 +99,36 @@ async def test_concurrent_requests_batch_in_decode_and_match_reference(stack, na
     for i, (p, c, f) in enumerate(zip(prompts, colls, finals)):
         assert f.error is None
         assert c.ordered == reference(p, 12 + i), f"request {i} differs from the in-process engine"
+
+
+async def test_workers_publish_kv_events_for_the_cache_index(stack, nats_server, reference):
+    """L1 (engine), L2 and L3 changes of both workers reach KV_EVENTS, so the index can route by prefix."""
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "Events tell the index which worker holds which block. " * 3)
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=8))
+        await c.wait_final()
+        await c.close()
+        js = nc.jetstream()
+        prompt_hashes = None
+        for worker, tiers in ((pf, {"L1", "L2", "L3"}), (dc0, {"L1", "L2"})):
+            seen: dict[str, set[str]] = {}
+            end = time.monotonic() + 20
+            while time.monotonic() < end and not tiers <= set(seen):
+                sub = await js.subscribe(subjects.kv_events(worker), ordered_consumer=True)
+                try:
+                    while True:
+                        msg = await sub.next_msg(timeout=0.5)
+                        for ev in KVEventBatch.from_bytes(msg.data).events:
+                            if ev.kind == "stored":
+                                seen.setdefault(ev.tier.value, set()).update(ev.hashes)
+                except TimeoutError:
+                    pass
+                finally:
+                    await sub.unsubscribe()
+            assert tiers <= set(seen), f"{worker}: stored events only for {sorted(seen)}"
+            prompt_hashes = prompt_hashes or seen
+        assert prompt_hashes["L1"] & prompt_hashes["L2"]
 
 
 async def test_first_token_can_finish_at_prefill(stack, nats_server, reference):
