@@ -224,3 +224,13 @@ def test_configmap_and_pod_env_parse_into_settings(rendered, monkeypatch) -> Non
     s = load_settings()
     assert s.nats.replicas == 3 and s.engine.device == "cuda" and s.service.http_port == 9090
     assert str(s.model_dir) == "/models/tiny" and s.audit_rate == 0.0
+
+
+def test_helm_lint_strict_is_clean() -> None:
+    import helm_python
+
+    from .chart import CHART_DIR, K8S_VERSION, NAMESPACE
+
+    report = helm_python.lint(CHART_DIR, merged(), strict=True, kube_version=f"v{K8S_VERSION}", namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # warnings and errors (info is fine)
