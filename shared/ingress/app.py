@@ -55,7 +55,7 @@ class RequestIdMiddleware:
             return
         request_id = "req_" + uuid.uuid4().hex
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        session_id = headers.get("x-session-id") or None
+        session_id = _session_id(headers.get("x-session-id", ""))
         scope.setdefault("state", {})
         scope["state"]["request_id"] = request_id
         scope["state"]["session_id"] = session_id
@@ -70,6 +70,12 @@ class RequestIdMiddleware:
 
         with bind_request(request_id, session_id):
             await self.app(scope, receive, stamped)
+
+
+def _session_id(raw: str) -> str | None:
+    """The client's session id if it is a short printable token (it is logged and travels as a NATS header)."""
+    raw = raw.strip()
+    return raw if 0 < len(raw) <= 128 and raw.isprintable() else None
 
 
 def error_response(exc: ApiError, path: str) -> JSONResponse:
