@@ -76,7 +76,8 @@ async def setup(ctx: ServiceContext) -> None:
     state = build_state(settings, gateway, tokenizer, metrics, model_dir)
     app = create_app(state, ctx.metrics.registry)
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
-                                   log_config=None, access_log=False, lifespan="off"))
+                                   log_config=None, access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=max(1, int(settings.service.drain_timeout_s))))
     # set first: the runner's side server answers /readyz while this setup is still running
     ctx.ready_check = lambda: server.started and gateway.ready()
     serving = asyncio.create_task(server.serve())

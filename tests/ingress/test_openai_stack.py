@@ -180,3 +180,19 @@ def test_metrics_and_headers(stack: ServingStack) -> None:
     assert "kvmesh_ingress_ttft_seconds_count" in text and "kvmesh_ingress_cached_tokens_total" in text
     assert httpx.get(f"{stack.base_url}/readyz").status_code == 200
     assert '"session_id": "sess-42"' in stack.log("ingress-0") or '"session_id":"sess-42"' in stack.log("ingress-0")
+
+
+def test_sigterm_drains_open_streams(stack: ServingStack) -> None:
+    """Runs last: SIGTERM stops new work but a stream already running ends normally; the process exits 0."""
+    import signal
+
+    c = client(stack)
+    stream = c.completions.create(model=stack.model_dir.name, prompt="Drain me gently, token by token",
+                                  max_tokens=200, temperature=0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    stack.signal("ingress-0", signal.SIGTERM)
+    rest = list(chunks)  # the SDK raises if the stream ends in an error or without [DONE]
+    assert [ch.choices[0].finish_reason for ch in rest if ch.choices[0].finish_reason] in (["length"], ["stop"])
+    assert first.choices[0].text or rest
+    assert stack.procs["ingress-0"].proc.wait(timeout=30) == 0
