@@ -28,8 +28,10 @@ COPY chaos ./chaos
 COPY bench ./bench
 # The runtime dependencies only (no test/bench extras), installed as a regular package.
 RUN pip install . && rm -rf /src
+# The checkpoint writer makes owner-only files; readable by any uid so a pod's runAsUser may differ.
 RUN mkdir -p /models && \
-    if [ -n "$MODEL_PRESET" ]; then kvmesh model init --preset "$MODEL_PRESET" --out "/models/$MODEL_PRESET"; fi
+    if [ -n "$MODEL_PRESET" ]; then kvmesh model init --preset "$MODEL_PRESET" --out "/models/$MODEL_PRESET"; fi && \
+    chmod -R a+rX /models
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG MODEL_PRESET=tiny
@@ -45,6 +47,7 @@ RUN groupadd --system --gid 10001 kvmesh && \
     useradd --system --uid 10001 --gid kvmesh --home-dir /var/lib/kvmesh --create-home kvmesh
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /models /models
+# Run as `python deploy/declare_streams.py` from WORKDIR (compose, the chart's init container).
 COPY deploy/declare_streams.py /app/deploy/declare_streams.py
 WORKDIR /app
 # Numeric, so Kubernetes' runAsNonRoot can verify it.

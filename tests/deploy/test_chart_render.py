@@ -76,7 +76,7 @@ def test_defaults_deploy_all_components_with_probes_on_the_side_port(rendered) -
         env = {e["name"]: e for e in main["env"]}
         assert env["KVMESH_SERVICE__WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         assert ("KVMESH_API_KEYS" in env) == (component == "ingress")
-        assert pod["initContainers"][0]["command"] == ["python", "/app/deploy/declare_streams.py"]
+        assert pod["initContainers"][0]["command"] == ["python", "deploy/declare_streams.py"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert "nvidia.com/gpu" not in main["resources"].get("limits", {})
 

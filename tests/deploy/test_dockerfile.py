@@ -67,6 +67,7 @@ def test_model_baked_by_build_arg(instructions) -> None:
     assert any(i.op == "ARG" and i.args == "MODEL_PRESET=tiny" for i in build)
     runs = " ".join(i.args for i in build if i.op == "RUN")
     assert 'kvmesh model init --preset "$MODEL_PRESET" --out "/models/$MODEL_PRESET"' in runs
+    assert "chmod -R a+rX /models" in runs  # safetensors are written owner-only
 
 
 def test_runs_as_a_numeric_non_root_user(instructions) -> None:
@@ -101,3 +102,13 @@ def test_copied_paths_exist_and_pass_dockerignore(instructions) -> None:
         for src in sources:
             assert (ROOT / src).exists(), src
             assert src.rstrip("/") in allowed, f"{src} is excluded by .dockerignore"
+
+
+def test_declare_script_sits_where_compose_and_the_chart_run_it(instructions) -> None:
+    (workdir,) = [i.args for i in _final(instructions) if i.op == "WORKDIR"]
+    copies = [shlex.split(i.args) for i in _final(instructions) if i.op == "COPY" and not i.args.startswith("--")]
+    assert ["deploy/declare_streams.py", f"{workdir}/deploy/declare_streams.py"] in copies
+    compose = (ROOT / "compose.yaml").read_text()
+    chart = (ROOT / "helm" / "kvmesh" / "templates" / "_deployment.tpl").read_text()
+    for text in (compose, chart):
+        assert '["python", "deploy/declare_streams.py"]' in text

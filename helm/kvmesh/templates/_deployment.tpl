@@ -46,7 +46,7 @@ spec:
         - name: declare-streams
           image: {{ include "kvmesh.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          command: ["python", "/app/deploy/declare_streams.py"]
+          command: ["python", "deploy/declare_streams.py"]
           envFrom:
             - configMapRef:
                 name: {{ include "kvmesh.fullname" $root }}-config
