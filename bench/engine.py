@@ -101,6 +101,7 @@ def bench_ttft(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) 
 class _Timing:
     total_s: float  # the whole generate call, prefill included
     decode_s: float  # from the first generated token of the batch to the last
+    decode_cpu_s: float  # the same span in process CPU time: steadier when other processes load the machine
 
 
 def _engine_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> _Timing:
@@ -109,14 +110,14 @@ def _engine_generate(engine: Engine, prompts: list[list[int]], params: SamplingP
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
     started: set[str] = set()
-    t_first = 0.0
+    t_first = c_first = 0.0
     while engine.has_unfinished():
         for out in engine.step():
             started.add(out.request_id)
         if not t_first and len(started) == len(ids):
-            t_first = time.perf_counter()
-    t_end = time.perf_counter()
-    return _Timing(t_end - t0, t_end - t_first)
+            t_first, c_first = time.perf_counter(), time.process_time()
+    t_end, c_end = time.perf_counter(), time.process_time()
+    return _Timing(t_end - t0, t_end - t_first, c_end - c_first)
 
 
 def _hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> _Timing:
@@ -126,13 +127,13 @@ def _hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> _Ti
         """put() gets the prompt first, then each step's tokens."""
 
         def __init__(self) -> None:
-            self.puts: list[float] = []
+            self.puts: list[tuple[float, float]] = []
 
         def put(self, value: torch.Tensor) -> None:
-            self.puts.append(time.perf_counter())
+            self.puts.append((time.perf_counter(), time.process_time()))
 
         def end(self) -> None:
-            self.puts.append(time.perf_counter())
+            self.puts.append((time.perf_counter(), time.process_time()))
 
     clock = Clock()
     ids = torch.tensor(prompts)
@@ -147,8 +148,8 @@ def _hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> _Ti
             pad_token_id=0,
             streamer=clock,
         )
-    t_end = time.perf_counter()
-    return _Timing(t_end - t0, t_end - clock.puts[1])
+    t_end, c_end = time.perf_counter(), time.process_time()
+    return _Timing(t_end - t0, t_end - clock.puts[1][0], c_end - clock.puts[1][1])
 
 
 def bench_decode(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress) -> dict:
@@ -181,6 +182,7 @@ def bench_decode(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress
             who: (
                 decode_tokens / statistics.median(t.decode_s for t in ts),
                 b * cfg.decode_tokens / statistics.median(t.total_s for t in ts),
+                decode_tokens / statistics.median(t.decode_cpu_s for t in ts),
             )
             for who, ts in timings.items()
         }
@@ -191,6 +193,7 @@ def bench_decode(loaded: LoadedModel, cfg: EngineBenchConfig, progress: Progress
             "engine_e2e_tok_s": rate["engine"][1],
             "hf_e2e_tok_s": rate["hf"][1],
             "e2e_ratio": rate["engine"][1] / rate["hf"][1],
+            "cpu_time_ratio": rate["engine"][2] / rate["hf"][2],  # decode tokens per CPU-second
         }
     return out
 
