@@ -234,3 +234,20 @@ def test_helm_lint_strict_is_clean() -> None:
     report = helm_python.lint(CHART_DIR, merged(), strict=True, kube_version=f"v{K8S_VERSION}", namespace=NAMESPACE)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # warnings and errors (info is fine)
+
+
+def test_one_object_per_template_and_notes(chart) -> None:
+    import yaml
+
+    out = chart.render(merged(VARIANTS["servicemonitor"], VARIANTS["autoscaling"]), name=RELEASE)
+    for path, text in out.items():
+        if path.endswith("NOTES.txt"):
+            assert f"release {RELEASE}" in text and f"svc/{RELEASE}-kvmesh-ingress" in text
+            continue
+        docs = [d for d in yaml.safe_load_all(text) if d]
+        assert len(docs) <= 1, path
+        if docs:  # file named after what it holds: <component>-<kind>.yaml or <kind>[-<component>].yaml
+            stem = path.rsplit("/", 1)[1].removesuffix(".yaml")
+            kind = docs[0]["kind"].lower()
+            short = {"poddisruptionbudget": "pdb", "horizontalpodautoscaler": "hpa"}.get(kind, kind)
+            assert short in stem.replace("-", ""), path
