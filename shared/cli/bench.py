@@ -83,3 +83,16 @@ def serve(
     cfg = ServeBenchConfig(model_dir=model, preset=preset, concurrency=concurrency, sessions=sessions, turns=turns,
                            max_tokens=max_tokens, l3=l3)
     typer.echo(json.dumps(run_serve_bench(cfg), indent=None if json_out else 2))
+
+
+@app.command()
+def index(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    blocks: Annotated[int, typer.Option(help="Blocks indexed (chains over 8 workers' L1/L2, some L3).")] = 1_000_000,
+    lookups: Annotated[int, typer.Option(help="Lookup queries per measurement.")] = 2000,
+) -> None:
+    """Cache index: lookup p50/p99 in-process vs over NATS, ingest rate, restart (snapshot + replay) to ready."""
+    from bench.index import IndexBenchConfig, run_index_bench
+
+    result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
