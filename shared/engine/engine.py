@@ -27,7 +27,7 @@ from shared.engine.kv_block import KVBlock
 from shared.engine.loader import LoadedModel
 from shared.engine.pins import PinSet
 from shared.engine.prefix_cache import KVEventListener, PrefixCache
-from shared.engine.request import Request, RequestOutput, RequestStatus
+from shared.engine.request import Request, RequestOutput
 from shared.engine.sampling import SamplingParams, make_generator, sample
 from shared.engine.scheduler import ScheduledSeq, Scheduler
 
