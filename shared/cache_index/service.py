@@ -21,11 +21,13 @@ from contextlib import suppress
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
+from prometheus_client import CollectorRegistry
 
 from shared.cache_index import snapshot
 from shared.cache_index.feeds import IndexState
 from shared.cache_index.index import key_of
 from shared.cache_index.messages import LookupReply, LookupRequest, SnapshotReply, SnapshotRequest
+from shared.cache_index.metrics import IndexMetrics
 from shared.config import IndexSettings
 from shared.kv_events.dump import DumpError, fetch_dump
 from shared.kv_events.events import KVEventBatch
@@ -44,9 +46,13 @@ _DUMP_ATTEMPTS = 30  # a dead worker's dumps fail until its heartbeat lapses and
 class CacheIndex:
     """One replica. `start()` then serve `lookup` / `snapshot_now`; `stop()` writes a final snapshot."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, settings: IndexSettings, watch: bool = True) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, settings: IndexSettings, watch: bool = True,
+                 registry: CollectorRegistry | None = None) -> None:
         self.nc, self.js, self.settings, self.watch = nc, js, settings, watch
         self.state = IndexState()
+        self.metrics = None if registry is None else IndexMetrics.create(
+            registry, lambda: float(len(self.state.index)), lambda: float(len(self.state.gaps())),
+            lambda: float(self.state.stream_seq))
         self.ready = False
         self.started_at = time.monotonic()
         self.ready_after_s: float | None = None
@@ -102,7 +108,10 @@ class CacheIndex:
     # --- endpoints -----------------------------------------------------
 
     async def lookup(self, req: LookupRequest) -> LookupReply:
+        t0 = time.perf_counter()
         result = self.state.index.lookup([key_of(h) for h in req.hashes])
+        if self.metrics is not None:
+            self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return LookupReply.of(result, len(self.state.index), self.ready)
 
     async def snapshot_now(self, _req: SnapshotRequest) -> SnapshotReply:
@@ -170,18 +179,26 @@ class CacheIndex:
                     state = await fetch_dump(self.nc, worker, self.settings.dump_timeout_s)
                 except DumpError as exc:
                     log.warning("state dump failed", worker=worker, attempt=attempt, error=str(exc))
+                    self._count_dump("failed")
                     await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
                     continue
+                self._count_dump("ok")
                 if not self.state.apply_dump(state):
                     log.info("gap repaired by dump", worker=worker, seq=state.seq, l1=len(state.l1), l2=len(state.l2))
                     return
         finally:
             self._dumping.pop(worker, None)
 
+    def _count_dump(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.dumps.labels(result).inc()
+
     async def _watch(self) -> None:
         async for change in watch_workers(self.js):
             if change.change is Change.DOWN:
                 self.state.purge(change.worker_id)
+                if self.metrics is not None:
+                    self.metrics.purges.inc()
                 log.info("worker purged from the index", worker=change.worker_id)
             elif change.change is Change.UP and self.state.revive(change.worker_id):
                 self._schedule_dump(change.worker_id)  # back under the same id (restart seen as down+up)
@@ -202,7 +219,7 @@ class CacheIndex:
 
 async def setup_cache_index(ctx: ServiceContext) -> None:
     """The service runner's setup: one replica, its endpoints (queue group), readiness and final snapshot."""
-    index = CacheIndex(ctx.nc, ctx.js, ctx.settings.index)
+    index = CacheIndex(ctx.nc, ctx.js, ctx.settings.index, registry=ctx.metrics.registry)
     await index.start()
     ctx.add_endpoint(subjects.INDEX_LOOKUP, LookupRequest, index.lookup)
     ctx.add_endpoint(subjects.INDEX_SNAPSHOT, SnapshotRequest, index.snapshot_now)

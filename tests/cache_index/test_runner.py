@@ -69,6 +69,9 @@ async def test_service_lookups_worker_restart_and_snapshot_on_stop(fresh_nats_se
         second.stored(blocks[4:6], Tier.L2, tokens_per_block=16)
         await second.flushed()
         await eventually(lambda: _equals(blocks_of(worker), 6), 10, "indexed after the snapshot")
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{runner.http_endpoint}/metrics")).text
+        assert "kvmesh_index_blocks 6.0" in metrics and "kvmesh_index_lookup_seconds_count" in metrics
         runner.stop()  # what SIGTERM does: drain, then the final snapshot
         assert await asyncio.wait_for(task, 20) == 0
         saved = snapshot.decode(await snapshot.load(nc.jetstream(), snap))
