@@ -1,7 +1,7 @@
 """Supervision on a real stack with two prefill and two decode workers.
 
-A prefill worker that stalls (SIGSTOP) after it was sent the job: the job is
-retried on the other one. A decode worker SIGKILLed mid-stream: the request
+A prefill worker that stalls (SIGSTOP) after it was sent the job, or is
+SIGKILLed before its handoff: the job is retried on the other one. A decode worker SIGKILLed mid-stream: the request
 migrates (prompt + tokens so far) and the client's stream goes on with
 exactly the reference tokens, none duplicated or missing. Affinity keys pick
 the victim: the rendezvous home of a key is where its request goes.
@@ -119,6 +119,35 @@ def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
     got = raw.parse()
     assert got.choices[0].text == ref.choices[0].text
     assert "prefill=prefill-1" in raw.headers["kvmesh-route"] and "attempts=2" in raw.headers["kvmesh-route"]
+    assert retries(stack) == before + 1
+
+
+def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack) -> None:
+    """SIGKILL while the job sits with prefill-0 (stopped first, so it surely has not handed off)."""
+    import threading
+    import time
+
+    prompt = "A prefill that dies holding the job"
+    c = client(stack)
+    ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
+    key = key_homed_on(PREFILLS, "prefill-0")
+    before = retries(stack)
+    stack.signal("prefill-0", signal.SIGSTOP)
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        result["raw"] = c.completions.with_raw_response.create(
+            model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0,
+            extra_body={"prompt_cache_key": key})
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)  # the job is published to prefill-0 by now
+    stack.signal("prefill-0", signal.SIGKILL)
+    caller.join(timeout=60)
+    raw = result["raw"]
+    assert raw.parse().choices[0].text == ref.choices[0].text  # type: ignore[attr-defined]
+    assert "prefill=prefill-1" in raw.headers["kvmesh-route"]  # type: ignore[attr-defined]
     assert retries(stack) == before + 1
 
 
