@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -37,9 +38,13 @@ def test_chart_cluster_config_is_valid_for_nats_server(chart, tmp_path: Path) ->
     assert missing.returncode != 0 and "POD_NAME" in missing.stdout + missing.stderr
 
 
+def _declare_env(url: str) -> dict[str, str]:
+    return {**os.environ, "KVMESH_NATS_URL": url, "KVMESH_NATS__REPLICAS": "1"}
+
+
 def _declare(url: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVMESH_NATS_URL": url, "KVMESH_NATS__REPLICAS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=_declare_env(url),
+                          capture_output=True, text=True, timeout=60)
 
 
 async def test_compose_config_serves_jetstream_and_declare_sets_it_up(tmp_path: Path) -> None:
@@ -51,16 +56,21 @@ async def test_compose_config_serves_jetstream_and_declare_sets_it_up(tmp_path: 
     port, http_port = free_port(), free_port()
     argv = [str(find_binary("nats-server")), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
             "-m", str(http_port)]
+    url = f"nats://127.0.0.1:{port}"
+    # Started before NATS, as an init container may be: it keeps trying until the server answers.
+    early = subprocess.Popen([sys.executable, str(SCRIPT), "--wait", "30"], env=_declare_env(url),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
     with open(tmp_path / "nats.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_for_port(port, "127.0.0.1", 20, proc)
-        url = f"nats://127.0.0.1:{port}"
+        _, err = early.communicate(timeout=40)
+        assert early.returncode == 0 and "nats error" in err and "streams declared" in err, err
         varz = httpx.get(f"http://127.0.0.1:{http_port}/varz", timeout=5).json()
         assert varz["jetstream"]["config"]["sync_always"] is True
-        for _ in range(2):  # idempotent: every pod's init container runs it
-            done = _declare(url)
-            assert done.returncode == 0, done.stdout + done.stderr
+        done = _declare(url)  # again: idempotent, every pod's init container runs it
+        assert done.returncode == 0, done.stdout + done.stderr
         nc = await nats.connect(url)
         try:
             assert nc.max_payload == 8 * 1024 * 1024
@@ -75,10 +85,13 @@ async def test_compose_config_serves_jetstream_and_declare_sets_it_up(tmp_path: 
         finally:
             await nc.close()
     finally:
+        if early.poll() is None:
+            early.kill()
+            early.wait(timeout=10)
         stop_pid(proc.pid)
         proc.wait(timeout=10)
 
 
 def test_declare_gives_up_with_exit_1_when_nats_is_unreachable() -> None:
-    done = _declare(f"nats://127.0.0.1:{free_port()}", "--wait", "0")
-    assert done.returncode == 1 and "declaring streams" in done.stderr
+    done = _declare(f"nats://127.0.0.1:{free_port()}", "--wait", "1")
+    assert done.returncode == 1 and "declaring streams failed" in done.stderr
