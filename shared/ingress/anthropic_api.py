@@ -26,6 +26,7 @@ from shared.ingress.cache_control import (
 )
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage
+from shared.ingress.prompt import PromptBuilder
 from shared.ingress.sse import SSE_HEADERS, sse
 from shared.log import get_logger
 from shared.protocol.serving import SamplingSpec, TokenEvent
@@ -52,7 +53,7 @@ def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) ->
         raise invalid(str(exc), param="system") from None
     check_breakpoints(breakpoints)
     try:
-        rendered = prompts.render(conv.messages, conv.tools)
+        rendered = render_prompt(prompts, conv)
         ids = prompts.tokenize(tenant, rendered, conv.messages)
         placed = place(prompts, tenant, conv, rendered, ids, breakpoints)
     except ChatTemplateError as exc:
@@ -65,6 +66,16 @@ def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) ->
                             prompt_ids=ids, sampling=sampling, session_id=adm.session_id,
                             affinity_key=adm.session_id or user, pins=pins(placed))
     return req, placed
+
+
+def render_prompt(prompts: PromptBuilder, conv: Conversation) -> str:
+    """The prompt text; a last assistant message is a prefill: the answer continues its text."""
+    last = conv.messages[-1]
+    if last["role"] != "assistant":
+        return prompts.render(conv.messages, conv.tools)
+    if last["content"] != last["content"].rstrip():
+        raise invalid("messages: final assistant content cannot end with trailing whitespace", param="messages")
+    return prompts.render(conv.messages[:-1], conv.tools) + last["content"]
 
 
 def stop_reason(finish: str, text: str, full_text: str, stops: list[str]) -> tuple[str, str | None]:

@@ -134,6 +134,20 @@ def test_stop_sequence(stack: ServingStack) -> None:
     assert cut.content[0].text == text[: text.index(stop)]
 
 
+def test_assistant_prefill_is_continued(stack: ServingStack) -> None:
+    c = client(stack)
+    base = [{"role": "user", "content": "Say something."}]
+    first = c.messages.create(model=stack.model_dir.name, max_tokens=8, messages=base, **GREEDY)
+    full = first.content[0].text
+    head = full[: len(full) // 2].rstrip()
+    assert head
+    cont = c.messages.create(model=stack.model_dir.name, max_tokens=4,
+                             messages=[*base, {"role": "assistant", "content": head}], **GREEDY)
+    assert cont.content[0].text and cont.usage.output_tokens >= 1  # only the continuation comes back
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    # the prefill comes after the generation prompt: the prompt grows by its tokens
+    assert cont.usage.input_tokens + cont.usage.cache_read_input_tokens > prompt
+
 def test_errors_in_anthropic_shape(stack: ServingStack) -> None:
     model = stack.model_dir.name
     msgs = [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "cache_control": EPH}

@@ -156,3 +156,15 @@ def test_breakpoint_inside_a_message_stops_before_the_next_block(prompts: Prompt
     head = prompts.tokenizer.decode(ids[: at.num_tokens], skip_special_tokens=False)
     assert "The first block" in head and "second" not in head
     assert head.rstrip().endswith("question.") or head.endswith("question")
+
+
+def test_assistant_prefill_continues_its_text(prompts: PromptBuilder) -> None:
+    from shared.ingress.anthropic_api import render_prompt
+
+    conv, _ = body(messages=[{"role": "user", "content": "Reply in JSON."},
+                             {"role": "assistant", "content": '{"answer":'}]).conversation()
+    rendered = render_prompt(prompts, conv)
+    assert rendered == prompts.render(conv.messages[:1]) + '{"answer":'  # generation prompt, then the prefill
+    trailing, _ = body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "So "}]).conversation()
+    with pytest.raises(ApiError, match="trailing whitespace"):
+        render_prompt(prompts, trailing)
