@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.cache_index.index import LookupResult
+from shared.kv_events.events import HexHash
 from shared.protocol.base import Message
 from shared.tiers.miss import Tier
 
@@ -12,7 +13,7 @@ from shared.tiers.miss import Tier
 class LookupRequest(Message):
     """A request's block hashes (hex), in chain order."""
 
-    hashes: list[str] = Field(max_length=1_000_000)
+    hashes: list[HexHash] = Field(max_length=1_000_000)
 
 
 class TierRun(Message):

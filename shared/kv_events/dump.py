@@ -92,10 +92,14 @@ async def fetch_dump(nc: NATS, worker_id: str, timeout_s: float) -> WorkerState:
                 msg = await sub.next_msg(timeout=max(0.001, deadline - loop.time()))
             except nats.errors.TimeoutError as exc:
                 raise DumpError(f"state dump of {worker_id}: {len(parts)} chunks after {timeout_s}s") from exc
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                raise DumpError(f"state dump of {worker_id}: no responders (worker gone?)")
             try:
                 chunk = StateDumpChunk.from_bytes(msg.data)
             except ProtocolError as exc:
                 raise DumpError(f"state dump of {worker_id}: {exc}") from exc
+            if chunk.chunk >= chunk.chunks or (parts and chunk.chunks != next(iter(parts.values())).chunks):
+                raise DumpError(f"state dump of {worker_id}: inconsistent chunk numbering")
             parts[chunk.chunk] = chunk
             if len(parts) == chunk.chunks:
                 break

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from shared.protocol.base import Message
 from shared.tiers.miss import Tier
+
+# A block hash in hex (lowercase, at least the 64 bits the index keys on).
+HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,128}$")]
 
 # Tiers an index entry can name. PEER is a way of reaching another worker's L2, not a place.
 INDEXED_TIERS = (Tier.L1, Tier.L2, Tier.L3)
@@ -29,8 +32,8 @@ class BlockStored(Message):
 
     kind: Literal["stored"] = "stored"
     seq: int = Field(ge=1)
-    hashes: list[str] = Field(min_length=1)
-    parent: str | None = None
+    hashes: list[HexHash] = Field(min_length=1)
+    parent: HexHash | None = None
     tokens_per_block: int = Field(ge=1)
     tier: Tier
 
@@ -40,7 +43,7 @@ class BlockRemoved(Message):
 
     kind: Literal["removed"] = "removed"
     seq: int = Field(ge=1)
-    hashes: list[str] = Field(min_length=1)
+    hashes: list[HexHash] = Field(min_length=1)
     tier: Tier
 
 
@@ -49,7 +52,7 @@ class BlockMoved(Message):
 
     kind: Literal["moved"] = "moved"
     seq: int = Field(ge=1)
-    hashes: list[str] = Field(min_length=1)
+    hashes: list[HexHash] = Field(min_length=1)
     src: Tier
     dst: Tier
 
@@ -98,5 +101,5 @@ class StateDumpChunk(Message):
     seq: int = Field(ge=0)  # every event <= seq is reflected in the state; later ones may be too
     chunk: int = Field(ge=0)
     chunks: int = Field(ge=1)
-    l1: list[str]
-    l2: list[str]
+    l1: list[HexHash]
+    l2: list[HexHash]

@@ -9,13 +9,15 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.cache_index.feeds import IndexState
 from shared.cache_index.index import key_of
 from shared.kv_events.event_log import EventLog
-from shared.kv_events.events import KVEventBatch
+from shared.kv_events.events import BlockStored, KVEventBatch
+from shared.protocol.base import ProtocolError
 from shared.tiers.miss import Tier
 
 WORKERS = ("w0", "w1", "w2")
@@ -180,3 +182,32 @@ def test_worker_cleared_and_new_epoch_drop_entries():
     old.stored([h(9)], Tier.L1, tokens_per_block=16)
     state.apply_batch(old.take_batch())  # a straggler of the old epoch is ignored
     assert key_of(h(9).hex()) not in state.index.masks
+
+
+def test_a_shed_backlog_is_a_gap_the_dump_repairs():
+    """A worker that could not publish for long drops its oldest events; the index still ends exact."""
+    w = SimWorker("w0", epoch=1, batch=4)
+    w.log.max_pending_hashes = 6
+    state = IndexState()
+    for i in range(10):  # alternating kinds: each change is an event of its own
+        if i % 3 == 2:
+            w.log.removed([h(i)], Tier.L1)
+        else:
+            w.log.stored([h(100 + i)], Tier.L2, tokens_per_block=16)
+            w.truth[Tier.L2].add(h(100 + i))
+    assert w.log.dropped_hashes > 0
+    while (b := w.log.take_batch()) is not None:
+        w.log.published(b.last_seq)
+        state.apply_batch(b)
+    assert state.gaps() == ["w0"]
+    assert not state.apply_dump(w.log.state_dump())
+    assert actual(state) == expected([w])
+
+
+def test_events_with_malformed_hashes_are_rejected_whole():
+    bad = KVEventBatch(worker="w", epoch=1,
+                       events=[BlockStored(seq=1, hashes=["ab" * 32], tokens_per_block=16, tier=Tier.L1)])
+    data = bad.to_bytes().replace(b"ab" * 32, b"zz" * 32)
+    with pytest.raises(ProtocolError):
+        KVEventBatch.from_bytes(data)
+    assert KVEventBatch.from_bytes(bad.to_bytes()) == bad

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 from bus.helpers import FAST_BUS, connected, eventually, unique
 
 from shared.bus.publish import Publisher
@@ -17,7 +18,7 @@ from shared.bus.request import request, serve
 from shared.cache_index.messages import LookupReply, LookupRequest
 from shared.cache_index.service import CacheIndex
 from shared.config import IndexSettings
-from shared.kv_events.dump import serve_dump
+from shared.kv_events.dump import DumpError, fetch_dump, serve_dump
 from shared.kv_events.event_log import EventLog
 from shared.kv_events.publisher import KVEventPublisher
 from shared.metrics import ServiceMetrics
@@ -164,3 +165,12 @@ async def test_snapshot_then_replay_restores_the_same_state(fresh_nats_server):
                 assert answer(second, probe) == answer(first, probe) == {workers[1]: 40}
         for e in events:
             await e.stop()
+
+
+async def test_dump_of_a_missing_worker_fails_fast(fresh_nats_server):
+    async with connected(fresh_nats_server.url, "index") as nc:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(DumpError, match="no responders"):
+            await fetch_dump(nc, unique("gone"), timeout_s=3.0)
+        assert loop.time() - t0 < 1.0
