@@ -6,7 +6,8 @@ request_id + attempt:
 1. the leading handles already in its engine (L1: e.g. last turn's blocks)
    are used as they are; the rest are resolved with the `Resolver` (own L2,
    the owner's shared memory, the owner over NATS, L3) up to the first that
-   cannot be, and imported; everything after that is recomputed (same tokens);
+   cannot be, then L3 by chunk keys, and imported; everything after that is
+   recomputed (same tokens);
 2. the request continues from prompt + generated (TokenEvent seq =
    len(generated) + i; text and stop strings continue from `generated`);
 3. at the end the full blocks of prompt + output go to its L2 and the L3
@@ -34,6 +35,7 @@ from shared.protocol.serving import DecodeJob
 from shared.serving.audit import AuditCase, CacheAudit
 from shared.serving.engine_loop import RequestSpec
 from shared.serving.ledger import JobLedger, run_once
+from shared.serving.prefix_reach import l3_run
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import TokenStream
 from shared.tiers.miss import Tier
@@ -127,9 +129,18 @@ class DecodeWorker:
             self.rt.engine.abort(engine_id)
 
     async def _resolve(self, job: DecodeJob, salt: bytes) -> tuple[list[KVBlock], Counter]:
-        """Blocks for the handles after those already in the engine, up to the first unresolvable one."""
+        """Blocks for the handles after those already in the engine, up to the first unresolvable one.
+
+        From there L3 is asked by chunk keys (the prefill's upload may have landed even when its
+        handles only name its L2); whatever is still missing is recomputed.
+        """
         prompt, n = job.prompt_ids, len(job.handles)
-        l1 = await self.rt.engine.call(lambda e: len(e.cache.lookup(e.block_hashes(prompt, salt)[:n], prompt)))
+
+        def look(e) -> tuple[list[bytes], int]:
+            hashes = e.block_hashes(prompt, salt)[:n]
+            return hashes, len(e.cache.lookup(hashes, prompt))
+
+        hashes, l1 = await self.rt.engine.call(look)
         sources: Counter = Counter({Tier.L1: l1})
         blocks: list[KVBlock] = []
         for handle in job.handles[l1:]:
@@ -138,4 +149,9 @@ class DecodeWorker:
                 break
             blocks.append(res.block)
             sources[res.tier] += 1
+        start = l1 + len(blocks)
+        if start < n and self.rt.tiers.l3 is not None:
+            more = await asyncio.to_thread(l3_run, self.rt.tiers, job.tenant_salt, hashes, start)
+            blocks += more
+            sources[Tier.L3] += len(more)
         return blocks, sources

@@ -56,7 +56,10 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
         reach.sources[tier] += 1
         i += 1
     if i < usable and tiers.l3 is not None:
-        found = await asyncio.to_thread(_from_l3, tiers, tenant_salt, hashes[:usable], i)
+        # A chain that ends inside a chunk is found only by probing each possible end (a GET each);
+        # worth it when nothing was reached here (restart, another host), not for the fresh tail of a
+        # conversation whose earlier turns were local.
+        found = await asyncio.to_thread(l3_run, tiers, tenant_salt, hashes[:usable], i, i == 0)
         reach.blocks += found
         reach.sources[Tier.L3] += len(found)
     return reach
@@ -73,11 +76,13 @@ async def _from_host(tiers: WorkerTiers, peer_ids: Sequence[str], block_hash: by
     return None
 
 
-def _from_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], start: int) -> list[KVBlock]:
+def l3_run(tiers: WorkerTiers, tenant_salt: str, hashes: Sequence[bytes], start: int,
+           search_partial: bool = True) -> list[KVBlock]:
     """Blocks start.. of the chain from L3, chunk by chunk, until a chunk is missing.
 
     A chain stored shorter than this prompt ends in a partial chunk keyed by its own last block, so
-    when a chunk's full key misses, shorter ends of that chunk are tried (longest first) before giving up.
+    with `search_partial`, when a chunk's full key misses, shorter ends of that chunk are tried
+    (longest first) before giving up.
     """
     store = tiers.l3
     assert store is not None
@@ -86,7 +91,8 @@ def _from_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], start: i
     for positions in store.chunk_ranges(len(hashes)):
         if positions[-1] < start:
             continue
-        for end in range(positions[-1], max(start, positions[0]) - 1, -1):
+        lowest = max(start, positions[0]) if search_partial else positions[-1]
+        for end in range(positions[-1], lowest - 1, -1):
             chunk = store.get_chunk(store.key(ns, hashes[end]))
             if not isinstance(chunk, Miss):
                 break
