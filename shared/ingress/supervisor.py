@@ -48,7 +48,7 @@ class Stage(StrEnum):
 
 class RequestRun:
     __slots__ = ("gw", "req", "usage", "attempt", "stage", "prefill_worker", "decode_worker", "next_seq",
-                 "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline")
+                 "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline", "_progress")
 
     def __init__(self, gw: Gateway, req: GenerationRequest, usage: Usage) -> None:
         self.gw, self.req, self.usage = gw, req, usage
@@ -64,6 +64,7 @@ class RequestRun:
         self._finished = False
         self._held: list[str] = []  # workers whose in-flight count this run holds
         self._deadline = time.time() + gw.settings.request_deadline_s
+        self._progress = time.monotonic()  # when the current attempt last delivered (or started)
 
     # --- lifecycle -------------------------------------------------------
 
@@ -74,7 +75,10 @@ class RequestRun:
         while True:
             timeout = s.first_token_timeout_s if self.stage is Stage.PREFILL else s.inter_token_timeout_s
             watched = self.prefill_worker if self.stage is Stage.PREFILL else self.decode_worker
-            event = await self._next(watched, timeout)
+            # measured from the last delivered token: events that only fill the out-of-order buffer
+            # (a lost event left a gap) are not progress
+            left = self._progress + timeout - time.monotonic()
+            event = await self._next(watched, left) if left > 0 else None
             if event is None:
                 await self._recover(f"{self.stage} worker {watched} gone or silent for {timeout:.0f}s")
                 continue
@@ -87,6 +91,7 @@ class RequestRun:
                 continue
             for ready in self._accept(event):
                 yield ready
+                self._progress = time.monotonic()  # after the yield: a slow reader is not a stalled worker
                 if ready.finished:
                     self._finished = True
                     return
@@ -220,6 +225,7 @@ class RequestRun:
                     attempt=self.attempt, reason=reason)
         self.gw.on_retry()
         self.usage.attempts = self.attempt + 1
+        self._progress = time.monotonic()
         if self.stage is Stage.PREFILL:
             await self._start_prefill(exclude=(self.prefill_worker,))
         else:

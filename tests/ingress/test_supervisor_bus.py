@@ -1,0 +1,130 @@
+"""The supervisor against a real JetStream, with a scripted peer speaking the serving protocol.
+
+The peer plays prefill and decode workers so the test can produce what real
+workers rarely do on cue: a lost token event (a gap), an error event. The
+ingress side is the real Gateway; workers are fed to its table directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import nats
+import pytest
+
+from shared.bus.publish import Publisher
+from shared.config import BusSettings, IngressSettings
+from shared.ingress.errors import ErrorKind
+from shared.ingress.gateway import Gateway, GatewayError, GenerationRequest
+from shared.ingress.router import WorkerTable
+from shared.protocol import subjects
+from shared.protocol.messages import Heartbeat, Role
+from shared.protocol.serving import DecodeJob, PrefillJob, SamplingSpec, TokenEvent
+from shared.protocol.streams import declare_all
+from shared.service.watch import Change, WorkerChange
+
+
+def _up(table: WorkerTable, worker: str, role: Role) -> None:
+    hb = Heartbeat(worker_id=worker, role=role, load=0.0, capacity=4.0, started_at=datetime.now(UTC),
+                   http_endpoint="http://127.0.0.1:1", seq=0, ttl_s=5.0)
+    table.apply(WorkerChange(Change.UP, worker, hb))
+
+
+@pytest.fixture
+async def gateway(nats_server) -> AsyncIterator[Gateway]:  # type: ignore[no-untyped-def]
+    nc = await nats.connect(nats_server.url)
+    await declare_all(nc.jetstream())
+    table = WorkerTable()
+    for worker, role in (("sv-p0", Role.PREFILL), ("sv-d0", Role.DECODE), ("sv-d1", Role.DECODE)):
+        _up(table, worker, role)
+    settings = IngressSettings(first_token_timeout_s=2.0, inter_token_timeout_s=1.0, max_attempts=3)
+    yield Gateway(nc, Publisher(nc.jetstream(), BusSettings()), table, settings, lambda ids: ",".join(map(str, ids)))
+    await nc.close()
+
+
+def _spawning(handler):  # type: ignore[no-untyped-def]
+    """A subscription callback that runs each message's handler as its own task (a peer handles jobs concurrently)."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(handler(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return cb
+
+
+def _request(rid: str) -> GenerationRequest:
+    return GenerationRequest(rid, "t", "00", [1, 2, 3], SamplingSpec(max_tokens=7))
+
+
+def _event(rid: str, seq: int, ids: list[int], attempt: int = 0, **kw: object) -> bytes:
+    return TokenEvent(request_id=rid, attempt=attempt, seq=seq, token_ids=ids, text=",".join(map(str, ids)),
+                      prompt_tokens=3, **kw).to_bytes()
+
+
+async def test_a_gap_that_never_fills_migrates_despite_later_events(gateway: Gateway) -> None:
+    rid = f"gap-{time.monotonic_ns()}"
+    nc = gateway.nc
+    migrations: list[DecodeJob] = []
+
+    async def on_job(msg) -> None:  # type: ignore[no-untyped-def]
+        if msg.subject.startswith("kvmesh.jobs.prefill."):
+            job = PrefillJob.from_bytes(msg.data)
+            if job.request_id != rid:
+                return
+            await nc.publish(subjects.tokens(rid), _event(rid, 0, [10]))
+            await nc.publish(subjects.tokens(rid), _event(rid, 1, [11]))
+            for seq in range(3, 28):  # seq 2 is "lost"; later events keep coming for 5 s
+                await nc.publish(subjects.tokens(rid), _event(rid, seq, [10 + seq]))
+                await asyncio.sleep(0.2)
+        else:
+            job = DecodeJob.from_bytes(msg.data)
+            migrations.append(job)
+            rest = list(range(10 + len(job.generated), 17))
+            await nc.publish(subjects.tokens(rid), _event(rid, len(job.generated), rest, attempt=job.attempt,
+                                                          finished=True, finish_reason="length"))
+
+    sub = await nc.subscribe(subjects.JOBS_ALL, cb=_spawning(on_job))
+    started = time.monotonic()
+    try:
+        done = await gateway.complete(_request(rid))
+    finally:
+        await sub.unsubscribe()
+    assert done.token_ids == list(range(10, 17)) and done.finish_reason == "length"
+    assert [(j.generated, j.attempt) for j in migrations] == [([10, 11], 1)]
+    assert time.monotonic() - started < 4.0  # migrated ~1 s after the last progress, not after the stream ended
+    assert done.usage.attempts == 2 and done.usage.decode_worker in ("sv-d0", "sv-d1")
+
+
+async def test_error_events_retry_or_fail(gateway: Gateway) -> None:
+    nc = gateway.nc
+    rid = f"err-{time.monotonic_ns()}"
+    attempts: list[int] = []
+
+    async def on_job(msg) -> None:  # type: ignore[no-untyped-def]
+        job = PrefillJob.from_bytes(msg.data)  # only prefill jobs: no token is ever handed to decode here
+        if job.request_id == rid:
+            attempts.append(job.attempt)
+            if job.attempt == 0:  # a retriable failure, then success on the retry
+                await nc.publish(subjects.tokens(rid), _event(rid, 0, [], error="tier hiccup", finished=True,
+                                                              finish_reason="error"))
+            else:
+                await nc.publish(subjects.tokens(rid), _event(rid, 0, [5], attempt=job.attempt, finished=True,
+                                                              finish_reason="stop"))
+        elif job.request_id == rid + "-bad":
+            await nc.publish(subjects.tokens(job.request_id), _event(job.request_id, 0, [], error="prompt too long",
+                                                                     retriable=False, finished=True))
+
+    sub = await nc.subscribe(subjects.JOBS_ALL, cb=_spawning(on_job))
+    try:
+        done = await gateway.complete(_request(rid))
+        assert done.token_ids == [5] and attempts == [0, 1]
+        with pytest.raises(GatewayError) as err:
+            await gateway.complete(_request(rid + "-bad"))
+        assert err.value.kind is ErrorKind.INVALID_REQUEST and not err.value.retriable
+    finally:
+        await sub.unsubscribe()
