@@ -8,13 +8,16 @@ Built for 1M+ blocks and sub-millisecond lookups in pure Python:
 - the value is one int: bit 0 = in L3 (object storage is shared, not any
   worker's), bits 1+2k / 2+2k = in worker slot k's L1 / L2. Worker ids are
   interned to slots; a slot is reused once its worker has been purged;
-- `lookup` walks the request's chain once, keeping the set of workers
-  still matching as a mask, and stops when no worker and no L3 run is left.
+- `lookup` walks the request's chain once (C-level dict gets; a block
+  whose mask equals its predecessor's costs one comparison), keeping the
+  workers still matching as a mask; it stops when no worker and no L3 run
+  is left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from dataclasses import dataclass, field
 
 from shared.tiers.miss import Tier
@@ -167,9 +170,11 @@ class BlockIndex:
         start: dict[int, int] = {}  # slot L1 bit -> index where its current run began
         runs: dict[int, list[TierRunResult]] = {}
         ended: dict[int, int] = {}
-        i = 0
-        for i, key in enumerate(keys):
-            m = masks.get(key, 0)
+        i, prev_m = 0, -1
+        for i, m in enumerate(map(masks.get, keys, repeat(0))):
+            if m == prev_m:  # a chain's blocks mostly share their holders: nothing changes
+                continue
+            prev_m = m
             if l3_blocks < 0 and not m & L3_BIT:
                 l3_blocks = i
             present = (m | (m >> 1)) & alive

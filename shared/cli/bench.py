@@ -90,9 +90,10 @@ def index(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
     blocks: Annotated[int, typer.Option(help="Blocks indexed (chains over 8 workers' L1/L2, some L3).")] = 1_000_000,
     lookups: Annotated[int, typer.Option(help="Lookup queries per measurement.")] = 2000,
+    chain: Annotated[int, typer.Option(help="Blocks per context chain = blocks per lookup query.")] = 128,
 ) -> None:
     """Cache index: lookup p50/p99 in-process vs over NATS, ingest rate, restart (snapshot + replay) to ready."""
     from bench.index import IndexBenchConfig, run_index_bench
 
-    result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups))
+    result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups, chain=chain))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
