@@ -31,4 +31,5 @@ def reference(serving_model_dir: Path):
         return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, **kw))[0].token_ids
 
     generate.tokenizer = loaded.tokenizer
+    generate.fingerprint = loaded.fingerprint
     return generate

@@ -6,6 +6,7 @@ One module-scoped set: prefill `pf-0`, decode `dc-0` and `dc-1` (audit rate 1.0)
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -13,11 +14,14 @@ import pytest
 from bus.helpers import FAST_BUS, connected
 
 from shared.bus.publish import Publisher
+from shared.engine.block_hash import HashKeys, hash_blocks
 from shared.kv_events.events import KVEventBatch
 from shared.protocol import subjects
 from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec
 from shared.serving.audit_status import read_audit_counts
 from shared.serving.worker_tiers import namespace_for
+from shared.tiers.handle import BlockHandle
+from shared.tiers.miss import Tier
 
 from .harness import BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
 
@@ -230,6 +234,34 @@ async def test_named_cache_is_reached_from_l3_by_a_fresh_worker(stack, nats_serv
     assert final.cached_tokens >= len(prefix) // BLOCK_SIZE * BLOCK_SIZE
     assert c2.events[0].worker_id == fresh.worker_id
     assert c2.ordered == reference(prompt, 6)
+
+
+async def test_decode_falls_back_to_l3_when_handles_do_not_resolve(stack, nats_server, reference):
+    """Handles naming a worker that is gone: the decode worker finds the chain in L3 by its chunk keys."""
+    pf, _, dc1 = _ids(stack)
+    salt = "d4" * 32
+    prompt = _prompt(reference, "Blocks whose owner vanished are still in object storage. " * 3)
+    hashes = hash_blocks(prompt, BLOCK_SIZE, HashKeys(reference.fingerprint, bytes.fromhex(salt)))
+    handles = [BlockHandle(block_hash=h.hex(), tier=Tier.L2, worker_id="gone-worker", size=1, checksum="00")
+               for h in hashes]
+    expected = reference(prompt, 8)
+    rid = unique()
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, prefill_job(unique(), prompt, dc1, max_tokens=1, salt=salt, prefill_only=True,
+                                           pins=[CachePin(num_tokens=len(prompt), ttl_s=600.0)]))
+        assert (await c.wait_final()).error is None  # the chain is in L3 now
+        job = DecodeJob(request_id=rid, tenant="t", tenant_salt=salt, prompt_ids=prompt, generated=expected[:1],
+                        sampling=SamplingSpec(max_tokens=8), handles=handles, prompt_tokens=len(prompt),
+                        deadline=time.time() + 60)
+        d = await TokenCollector(rid).subscribe(nc)
+        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.handoff(dc1), job, msg_id=f"{rid}:0")
+        await d.wait_final()
+    assert [d.tokens[i] for i in range(1, 8)] == expected[1:]
+    end = time.monotonic() + 10
+    while not (decoded := [json.loads(line) for line in stack.procs[dc1].proc.log_path.read_text().splitlines()
+                           if rid in line and '"decoded"' in line]) and time.monotonic() < end:
+        await asyncio.sleep(0.1)  # the worker logs right after its final event
+    assert decoded and decoded[0]["sources"].get("L3") == len(hashes)
 
 
 async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
