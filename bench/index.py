@@ -197,7 +197,8 @@ def run_index_bench(cfg: IndexBenchConfig) -> dict:
                    "lookups": cfg.lookups, "batches": len(batches), "load_avg_1m": round(os.getloadavg()[0], 1)},
     }
     result["ratios"] = {
-        "lookup_p99_nats_over_in_process_cpu": round(result["lookup_nats"]["p99_ms"] / lookup_local["cpu"]["p99_ms"], 1),
+        "lookup_p99_nats_over_in_process_cpu": round(
+            result["lookup_nats"]["p99_ms"] / lookup_local["cpu"]["p99_ms"], 1),
         "ingest_stream_over_in_process": round(
             result["ingest_from_stream"]["blocks_per_s"] / ingest["blocks_per_s"], 2),
     }

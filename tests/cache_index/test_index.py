@@ -83,8 +83,8 @@ def test_lookup_matches_a_naive_scan(ops):
         return n
 
     for name in {n for n, t in truth if t is not Tier.L3}:
-        on = lambda x, name=name: x in truth.get((name, Tier.L1), ()) or x in truth.get((name, Tier.L2), ())  # noqa: E731
-        n = leading(on)
+        held = truth.get((name, Tier.L1), set()) | truth.get((name, Tier.L2), set())
+        n = leading(held.__contains__)
         got = res.workers.get(name)
         assert (got.blocks if got else 0) == n
         if got:
