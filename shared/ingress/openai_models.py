@@ -6,6 +6,7 @@ keep working; a known field with a wrong type or range is a 400 naming it.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,13 +27,32 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result answers this call
 
     def flat(self) -> dict[str, Any]:
-        """A role/content dict the chat template takes (developer speaks as system; parts joined)."""
+        """A message dict the chat template takes (developer speaks as system; parts joined; tool fields kept)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends `function.arguments` as a JSON string; HF chat templates expect the object."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class StreamOptions(_Body):

@@ -136,3 +136,18 @@ def test_error_bodies_per_dialect() -> None:
     assert bad.body(Dialect.OPENAI) == {"error": {"message": "nope", "type": "invalid_request_error",
                                                   "param": "n", "code": None}}
     assert ApiError(ErrorKind.REQUEST_TOO_LARGE, "big").status(Dialect.ANTHROPIC) == 413
+
+
+def test_tool_turns_reach_the_template(tokenizer: Tokenizer) -> None:
+    from shared.ingress.openai_models import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "list the files"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "list_dir", "arguments": "{\"path\": \"/srv\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "notes.txt"},
+    ]})
+    messages = [m.flat() for m in body.messages]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"path": "/srv"}
+    text = tokenizer.decode(PromptBuilder(tokenizer, 4).chat("t", messages), skip_special_tokens=False)
+    assert "list_dir" in text and "/srv" in text and "notes.txt" in text
