@@ -47,6 +47,9 @@ class AssistantMemory:
         return ids
 
 
+_STOP_TAIL = 16  # tokens a stop string may have added past the returned text
+
+
 class PromptBuilder:
     """Renders and tokenizes prompts for one model; shared by every dialect."""
 
@@ -108,11 +111,14 @@ class PromptBuilder:
     def remember_answer(self, tenant: str, text: str, token_ids: Sequence[int]) -> None:
         """Record a generated answer so the next turn's prompt reuses its exact ids.
 
-        Trailing end-of-turn ids are dropped (the template writes them after the content); the
-        ids are kept only if they decode back to `text` exactly (a stop string cut the text otherwise).
+        Trailing end-of-turn ids are dropped (the template writes them after the content). A stop
+        string leaves its tokens in the ids but not in the text, so the longest prefix of the ids
+        (at most `_STOP_TAIL` shorter) that decodes back to `text` exactly is kept; none: nothing is.
         """
         ids = list(token_ids)
         while ids and ids[-1] in self._specials:
             ids.pop()
-        if ids and self.tokenizer.decode(ids) == text:
-            self.memory.remember(tenant, text, ids)
+        for end in range(len(ids), max(0, len(ids) - _STOP_TAIL) - 1, -1):
+            if end and self.tokenizer.decode(ids[:end]) == text:
+                self.memory.remember(tenant, text, ids[:end])
+                return

@@ -99,8 +99,11 @@ def test_prompt_prefix_is_stable_and_answers_are_spliced(tokenizer: Tokenizer) -
     assert second[: len(first)] == first
     assert second[len(first): len(first) + len(alt)] == alt  # the generated ids, not a re-tokenization
     assert prompts.chat("other-tenant", turn2)[len(first): len(first) + len(alt)] != alt
-    prompts.remember_answer("t", "cut by a stop string", tokenizer.encode("cut by a stop string and more"))
-    assert prompts.memory.recall("t", "cut by a stop string") is None
+    cut = tokenizer.encode("cut by a stop string")
+    prompts.remember_answer("t", "cut by a stop string", [*cut, *tokenizer.encode(" STOP")])
+    assert prompts.memory.recall("t", "cut by a stop string") == tuple(cut)  # the stop string's ids dropped
+    prompts.remember_answer("t", "unrelated text", tokenizer.encode("something else entirely"))
+    assert prompts.memory.recall("t", "unrelated text") is None
 
 
 def _run(tokenizer: Tokenizer) -> RequestRun:
