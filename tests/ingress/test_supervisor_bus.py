@@ -128,3 +128,20 @@ async def test_error_events_retry_or_fail(gateway: Gateway) -> None:
         assert err.value.kind is ErrorKind.INVALID_REQUEST and not err.value.retriable
     finally:
         await sub.unsubscribe()
+
+
+async def test_too_many_in_flight_is_overload(gateway: Gateway) -> None:
+    gateway.settings.max_in_flight = 1
+    rid = f"busy-{time.monotonic_ns()}"
+    first = asyncio.create_task(gateway.complete(_request(rid)))  # nobody answers: it stays in flight
+    for _ in range(100):
+        if gateway.in_flight:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(GatewayError) as err:
+        await gateway.complete(_request(rid + "-2"))
+    assert err.value.kind is ErrorKind.OVERLOADED
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert gateway.in_flight == 0
