@@ -115,8 +115,8 @@ class IngressSettings(BaseModel):
     keys_file: Path | None = None  # lines `key:tenant`; default <state_dir>/api_keys when KVMESH_API_KEYS is unset
     model_id: str = ""  # the id clients name; default: the model dir's name
     max_body_bytes: int = 4 * 1024 * 1024
-    rate_limit_per_s: float = 20.0  # per API key, token bucket refill
-    rate_limit_burst: float = 40.0
+    rate_limit_per_s: float = 100.0  # per API key, token bucket refill
+    rate_limit_burst: float = 200.0
     max_in_flight: int = 256  # requests streaming at once; beyond: overload (503 / 529)
     worker_overload_factor: float = 2.0  # affinity is abandoned once a worker's load exceeds this x capacity
     first_token_timeout_s: float = 60.0  # PrefillJob published -> seq 0 arrives
