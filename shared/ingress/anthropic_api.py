@@ -25,7 +25,8 @@ from shared.ingress.cache_control import (
     CacheUsage, Conversation, Placed, cache_usage, check_breakpoints, pins, place,
 )
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
-from shared.ingress.gateway import GatewayError, GenerationRequest, Usage
+from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
+from shared.ingress.openai_api import _account  # one place logs and counts a finished request
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.sse import SSE_HEADERS, sse
 from shared.log import get_logger
@@ -100,13 +101,6 @@ def _message(req: GenerationRequest, model: str, text: str | None, reason: tuple
             "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
 
 
-def _account(adm: Admitted, usage: Usage, output_tokens: int) -> None:
-    m = adm.state.metrics
-    m.prompt_tokens.inc(usage.prompt_tokens)
-    m.cached_tokens.inc(usage.cached_tokens)
-    m.completion_tokens.inc(output_tokens)
-
-
 def _cache_usage(usage: Usage, placed: list[Placed]) -> CacheUsage:
     return cache_usage(usage.prompt_tokens, usage.cached_tokens, placed)
 
@@ -121,20 +115,20 @@ async def messages(request: Request) -> Any:
     if not body.stream:
         done = await adm.state.gateway.complete(req)
         adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
-        usage = Usage(done.prompt_tokens, done.cached_tokens, done.cache_created_tokens)
+        usage = done.usage
         _account(adm, usage, len(done.token_ids))
         adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
         full = adm.state.prompts.tokenizer.decode(done.token_ids)
         reason = stop_reason(done.finish_reason, done.text, full, body.stops())
         cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
-        return JSONResponse(_message(req, body.model, done.text, reason, cu))
+        return JSONResponse(_message(req, body.model, done.text, reason, cu), headers=route_header(usage))
 
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
     return StreamingResponse(_events(adm, req, body, placed, usage, first, events),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **route_header(usage)})
 
 
 async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, placed: list[Placed], usage: Usage,
