@@ -131,6 +131,7 @@ class ServiceRunner:
             "nats_connected": bool(ctx and ctx.nc.is_connected),
             "consumers_bound": bool(ctx and all(c.ready for c in ctx.consumers)),
             "service": bool(ctx and _safe(ctx.ready_check)),
+            "endpoints_bound": self._started.is_set(),  # setup done, request endpoints subscribed
             "not_draining": not self._draining,
         }
 
