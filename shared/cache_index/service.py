@@ -7,7 +7,8 @@ loads the latest snapshot and replays the stream from the sequence after
 it; it reports ready once it has applied everything the stream held at
 start (until then lookups answer with `ready=False`). A sequence gap of a
 worker triggers a state dump from that worker (retried until the gap closes
-or the worker is purged). A worker whose heartbeat lapses is purged. The
+or the worker is purged). A worker whose heartbeat lapses is purged, and so,
+once ready, is every indexed worker without a live heartbeat. The
 state is snapshotted every `snapshot_every_events` events or
 `snapshot_every_s` seconds, on request, and on stop.
 """
@@ -36,7 +37,7 @@ from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.streams import KV_EVENTS
 from shared.service.runner import ServiceContext
-from shared.service.watch import Change, watch_workers
+from shared.service.watch import Change, alive_workers, watch_workers
 
 log = get_logger(__name__)
 
@@ -164,6 +165,8 @@ class CacheIndex:
             self.ready = True
             self.ready_after_s = time.monotonic() - self.started_at
             log.info("index ready", blocks=len(self.state.index), seconds=round(self.ready_after_s, 3))
+            if self.watch:
+                self._tasks.append(asyncio.create_task(self._purge_absent()))
 
     def _schedule_dump(self, worker: str) -> None:
         if worker not in self._dumping:
@@ -193,15 +196,32 @@ class CacheIndex:
         if self.metrics is not None:
             self.metrics.dumps.labels(result).inc()
 
+    async def _purge_absent(self) -> None:
+        # Workers that died while no replica watched (or before the snapshot) never send a DOWN:
+        # whatever the replay rebuilt for a worker without a live heartbeat now is purged.
+        alive = await alive_workers(self.js)
+        for worker in [w for w in self.state.index.slots if w not in alive]:
+            self._purge(worker)
+
+    def _purge(self, worker: str) -> None:
+        self.state.purge(worker)
+        if self.metrics is not None:
+            self.metrics.purges.inc()
+        log.info("worker purged from the index", worker=worker)
+
     async def _watch(self) -> None:
-        async for change in watch_workers(self.js):
-            if change.change is Change.DOWN:
-                self.state.purge(change.worker_id)
-                if self.metrics is not None:
-                    self.metrics.purges.inc()
-                log.info("worker purged from the index", worker=change.worker_id)
-            elif change.change is Change.UP and self.state.revive(change.worker_id):
-                self._schedule_dump(change.worker_id)  # back under the same id (restart seen as down+up)
+        while True:  # the watcher dies with the connection; start it again when NATS is back
+            try:
+                async for change in watch_workers(self.js):
+                    if change.change is Change.DOWN:
+                        self._purge(change.worker_id)
+                    elif change.change is Change.UP and self.state.revive(change.worker_id):
+                        self._schedule_dump(change.worker_id)  # back under the same id after a purge
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep watching; purges wait until then
+                log.warning("worker watch failed; restarting", error=repr(exc))
+                await asyncio.sleep(1.0)
 
     async def _snapshot_timer(self) -> None:
         while True:

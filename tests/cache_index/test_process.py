@@ -17,7 +17,10 @@ from shared.bus.request import request
 from shared.cache_index.messages import LookupReply, LookupRequest
 from shared.config import IndexSettings
 from shared.kv_events.publisher import KVEventPublisher
+from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
+from shared.protocol.messages import Role
+from shared.service.heartbeat import HeartbeatLoop
 from shared.stack.servers import free_port
 from shared.tiers.miss import Tier
 
@@ -56,6 +59,9 @@ async def test_process_snapshots_on_sigterm_and_restarts_from_it(fresh_nats_serv
     blocks = chain(30, "proc")
     query = LookupRequest(hashes=[h.hex() for h in blocks])
     async with connected(url, "worker") as nc:
+        beat = HeartbeatLoop(nc.jetstream(), worker, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=2.0,
+                             metrics=ServiceMetrics.create("test"))  # alive: the index keeps its blocks
+        beating = asyncio.create_task(beat.run())
         events = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), worker, IndexSettings(flush_interval_s=0.01))
         await events.start(nc)
         events.stored(blocks, Tier.L1, tokens_per_block=16)
@@ -87,6 +93,8 @@ async def test_process_snapshots_on_sigterm_and_restarts_from_it(fresh_nats_serv
                     p.kill()
                     p.wait()
         await events.stop()
+        beat.stop()
+        await beating
 
 
 async def _is(value, want) -> bool:

@@ -136,6 +136,28 @@ async def test_dead_worker_entries_are_purged_when_its_heartbeat_lapses(fresh_na
             await e.stop()
 
 
+async def test_a_replica_started_after_a_worker_died_purges_it_once_ready(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    ghost, live = unique("ghost"), unique("live")
+    blocks = chain(4, "g")
+    async with connected(url, "workers") as nc:
+        js = nc.jetstream()
+        beat = HeartbeatLoop(js, live, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=2.0,
+                             metrics=ServiceMetrics.create("test"))
+        beating = asyncio.create_task(beat.run())
+        pub = Publisher(js, FAST_BUS)
+        events = {w: KVEventPublisher(pub, w, s) for w in (ghost, live)}
+        for e in events.values():  # the ghost published, then died before any index watched
+            await e.start(nc)
+            e.stored(blocks, Tier.L1, tokens_per_block=16)
+            await e.flushed()
+            await e.stop()
+        async with replica(url, s, watch=True) as idx:
+            await eventually(lambda: idx.ready and answer(idx, blocks) == {live: 4}, 10, "the ghost purged")
+        beat.stop()
+        await beating
+
+
 async def test_snapshot_then_replay_restores_the_same_state(fresh_nats_server):
     url, s = fresh_nats_server.url, index_settings()
     workers = [unique("w") for _ in range(3)]
