@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared.engine.chat_template import ChatTemplateError
 from shared.ingress.admission import Admitted, admit, budget, check_model, parse
-from shared.ingress.anthropic_models import MessagesRequest
+from shared.ingress.anthropic_models import CountTokensRequest, MessagesRequest
 from shared.ingress.cache_control import (
     CacheUsage, Conversation, Placed, cache_usage, check_breakpoints, pins, place,
 )
@@ -46,7 +46,8 @@ async def named_prefix(adm: Admitted, cache_id: str | None) -> Conversation | No
     return Conversation(list(cached.messages), list(cached.tools) if cached.tools else None)
 
 
-def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[GenerationRequest, list[Placed]]:
+def _prompt(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[list[int], list[Placed]]:
+    """Prompt ids and placed breakpoints; 400 for a bad conversation or breakpoints."""
     prompts, tenant = adm.state.prompts, adm.principal.tenant
     try:
         conv, breakpoints = body.conversation(prefix)
@@ -59,6 +60,12 @@ def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) ->
         placed = place(prompts, tenant, conv, rendered, ids, breakpoints)
     except ChatTemplateError as exc:
         raise invalid(f"messages: {exc}", param="messages") from None
+    return ids, placed
+
+
+def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[GenerationRequest, list[Placed]]:
+    ids, placed = _prompt(adm, body, prefix)
+    tenant = adm.principal.tenant
     limit = budget(adm.state, len(ids), body.max_tokens)
     sampling = SamplingSpec(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             stop=body.stops())
@@ -103,6 +110,16 @@ def _message(req: GenerationRequest, model: str, text: str | None, reason: tuple
 
 def _cache_usage(usage: Usage, placed: list[Placed]) -> CacheUsage:
     return cache_usage(usage.prompt_tokens, usage.cached_tokens, placed)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Any:
+    """The prompt's token count as /v1/messages would build it (nothing runs)."""
+    adm = await admit(request)
+    body = parse(CountTokensRequest, adm.body)
+    check_model(adm.state, body.model)
+    ids, _ = _prompt(adm, body, await named_prefix(adm, body.cache_id))
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")

@@ -139,6 +139,12 @@ class MessagesRequest(_Body):
         return conv, breakpoints
 
 
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens."""
+
+    max_tokens: int = Field(default=1, ge=1)
+
 def system_blocks(system: str | list[TextBlock] | None) -> list[TextBlock]:
     if isinstance(system, str):
         return [TextBlock(type="text", text=system)] if system else []

@@ -148,6 +148,14 @@ def test_assistant_prefill_is_continued(stack: ServingStack) -> None:
     # the prefill comes after the generation prompt: the prompt grows by its tokens
     assert cont.usage.input_tokens + cont.usage.cache_read_input_tokens > prompt
 
+def test_count_tokens_matches_the_prompt(stack: ServingStack) -> None:
+    c = client(stack)
+    args = {"model": stack.model_dir.name, "system": "You are terse.",
+            "messages": [{"role": "user", "content": "How many tokens is this?"}]}
+    counted = c.messages.count_tokens(**args).input_tokens
+    used = c.messages.create(**args, max_tokens=2, **GREEDY).usage
+    assert counted == used.input_tokens + used.cache_read_input_tokens + used.cache_creation_input_tokens > 5
+
 def test_errors_in_anthropic_shape(stack: ServingStack) -> None:
     model = stack.model_dir.name
     msgs = [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "cache_control": EPH}
