@@ -15,6 +15,7 @@ from bus.helpers import FAST_BUS, connected, eventually, unique
 
 from shared.bus.publish import Publisher
 from shared.bus.request import request, serve
+from shared.cache_index.client import lookup_prefix
 from shared.cache_index.messages import LookupReply, LookupRequest
 from shared.cache_index.service import CacheIndex
 from shared.config import IndexSettings
@@ -79,6 +80,8 @@ async def test_two_replicas_converge_and_answer_lookups_over_nats(fresh_nats_ser
         assert reply.ready and reply.l3_blocks == 0  # L3 holds blocks 8.. only: no leading run
         assert [(m.worker, m.blocks) for m in reply.workers] == [(wa.worker_id, 8), (wb.worker_id, 5)]
         assert [(r.tier, r.blocks) for r in reply.workers[1].runs] == [(Tier.L1, 3), (Tier.L2, 2)]
+        routed = await lookup_prefix(nc, b_chain, timeout_s=2.0)  # the router's call
+        assert routed is not None and {m.worker: m.blocks for m in routed.workers} == {wb.worker_id: 8, wa.worker_id: 5}
         tail = await request(nc, subjects.INDEX_LOOKUP, LookupRequest(hashes=[]), LookupReply, timeout_s=2.0)
         assert tail.workers == [] and tail.indexed_blocks == len(r1.state.index) == len(r2.state.index)
         assert r1.state.index.masks.keys() == r2.state.index.masks.keys()
@@ -196,3 +199,11 @@ async def test_dump_of_a_missing_worker_fails_fast(fresh_nats_server):
         with pytest.raises(DumpError, match="no responders"):
             await fetch_dump(nc, unique("gone"), timeout_s=3.0)
         assert loop.time() - t0 < 1.0
+
+
+async def test_router_lookup_degrades_to_none_without_an_index(fresh_nats_server):
+    async with connected(fresh_nats_server.url, "router") as nc:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await lookup_prefix(nc, chain(3, "x"), timeout_s=0.5) is None
+        assert loop.time() - t0 < 0.5  # no responders: answered at once, not after the timeout
