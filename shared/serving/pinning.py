@@ -18,18 +18,17 @@ from shared.serving.engine_loop import EngineLoop
 from shared.serving.worker_tiers import WorkerTiers
 
 
-async def apply_pins(engine: EngineLoop, tiers: WorkerTiers, pins: Sequence[CachePin], hashes: Sequence[bytes],
-                     cached_tokens: int) -> int:
-    """Pin each prefix; returns cache_created_tokens."""
-    if not pins:
-        return 0
+def cache_created(pins: Sequence[CachePin], num_blocks: int, block_size: int, cached_tokens: int) -> int:
+    """Tokens the pins write beyond the cached prefix: pinned whole blocks (of `num_blocks`) past it."""
+    longest = max((min(p.num_tokens // block_size, num_blocks) * block_size for p in pins), default=0)
+    return max(0, longest - cached_tokens)
+
+
+async def apply_pins(engine: EngineLoop, tiers: WorkerTiers, pins: Sequence[CachePin], hashes: Sequence[bytes]) -> None:
+    """Pin each prefix in the engine (wall-clock deadline) and in L2 (monotonic deadline)."""
     bs = engine.engine.block_size
     wall, mono = time.time(), time.monotonic()
-    longest = 0
     for pin in pins:
-        n = min(pin.num_tokens // bs, len(hashes))
-        prefix = list(hashes[:n])
+        prefix = list(hashes[: min(pin.num_tokens // bs, len(hashes))])
         await engine.call(lambda e, p=prefix, until=wall + pin.ttl_s: e.pin(p, until))
         tiers.pin(prefix, mono + pin.ttl_s)
-        longest = max(longest, n * bs)
-    return max(0, longest - cached_tokens)

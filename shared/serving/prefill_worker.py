@@ -5,8 +5,9 @@ For each `PrefillJob` (idempotent on request_id + attempt):
 2. run the prompt for one token (the first token);
 3. register the prompt's full blocks in its L2 (+ queued L3 upload) and pin
    what the job's `pins` ask for;
-4. publish TokenEvent seq 0, then the `DecodeJob` (handles + first token)
-   to `handoff(decode_worker)`; the job is acked once that publish is.
+4. publish TokenEvent seq 0 (before step 3: the first token does not wait
+   for the tiers), then the `DecodeJob` (handles + first token) to
+   `handoff(decode_worker)`; the job is acked once that publish is.
 If the first token ends the request (eos, stop string, max_tokens 1) the
 seq-0 event is final and nothing is handed off. A named-cache job
 (`prefill_only`) writes its blocks to L3 with its TTL, waits for the write
@@ -30,7 +31,7 @@ from shared.protocol import subjects
 from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 from shared.serving.engine_loop import RequestSpec
 from shared.serving.ledger import JobLedger, run_once
-from shared.serving.pinning import apply_pins
+from shared.serving.pinning import apply_pins, cache_created
 from shared.serving.prefix_reach import reach_prefix
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import publish_event
@@ -98,11 +99,23 @@ class PrefillWorker:
             self._engine_ids.pop(job.request_id, None)
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
+        created = cache_created(job.pins, len(reach.hashes), engine.engine.block_size, out.cached_tokens)
+        usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
+        first = out.token_ids[0] if out.token_ids else None
+        final_now = out.finish_reason == "stop" or job.sampling.max_tokens == 1
+        if not job.prefill_only and not final_now and not self.ledger.aborted(job.request_id):
+            # The first token goes out before the blocks are stored: TTFT does not wait for L2.
+            detok = IncrementalDetokenizer(self.rt.loaded.tokenizer, job.prompt_ids, job.sampling.stop)
+            detok.add(first)
+            # The decode worker primes its detokenizer with this token and continues from the same point.
+            await publish_event(self.publisher, self._event(job, token_ids=[first], text=detok.take_delta(False),
+                                                            **usage))
         tiers = self.rt.tiers
         missing = tiers.missing(reach.hashes)
         exported = await engine.call(lambda e: e.export_blocks(missing)) if missing else []
         handles, chain = tiers.register(reach.hashes, exported, job.tenant_salt)
-        created = await apply_pins(engine, self.rt.tiers, job.pins, reach.hashes, out.cached_tokens)
+        if job.pins:
+            await apply_pins(engine, tiers, job.pins, reach.hashes)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
                  cached_tokens=out.cached_tokens, sources={t.value: n for t, n in reach.sources.items() if n},
                  handles=len(handles))
@@ -111,16 +124,10 @@ class PrefillWorker:
             return
         if self.ledger.aborted(job.request_id):  # the client left while this ran: hand nothing on
             return
-        first = out.token_ids[0]
-        usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
-        if out.finish_reason == "stop" or job.sampling.max_tokens == 1:
+        if final_now:
             await publish_event(self.publisher, self._event(job, token_ids=[first], text=out.text, finished=True,
                                                             finish_reason=out.finish_reason, **usage))
             return
-        detok = IncrementalDetokenizer(self.rt.loaded.tokenizer, job.prompt_ids, job.sampling.stop)
-        detok.add(first)
-        # The decode worker primes its detokenizer with this token and continues from the same point.
-        await publish_event(self.publisher, self._event(job, token_ids=[first], text=detok.take_delta(False), **usage))
         handoff = DecodeJob(
             request_id=job.request_id, attempt=job.attempt, session_id=job.session_id, tenant=job.tenant,
             tenant_salt=job.tenant_salt, prompt_ids=job.prompt_ids, generated=[first], sampling=job.sampling,
