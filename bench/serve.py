@@ -2,7 +2,7 @@
 
 For each mode the bench starts its own stack (`kvmesh up --detach` in a
 temp state dir, free ports; cache off = `KVMESH_ENGINE__ENABLE_PREFIX_CACHING=false`
-in the workers), drives the workload (bench/serve_workload.py) at a fixed
+in the workers, and no L3), drives the workload (bench/serve_workload.py) at a fixed
 concurrency (sessions in parallel, turns of a session in order, greedy,
 streaming with usage) and stops the stack. Figures per mode: TTFT p50/p99,
 TPOT p50, output tokens/s, requests/s, cached-token ratio; then
@@ -71,7 +71,8 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
         env = {**os.environ, "KVMESH_API_KEYS": f"{KEY}:bench", "KVMESH_INGRESS__PORT": str(port),
                "KVMESH_ENGINE__ENABLE_PREFIX_CACHING": "true" if cache else "false", "KVMESH_LOG_LEVEL": "warning",
                "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000", "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000",
-               "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 else "false"}
+               # cache off: no L3 either, so the baseline pays no lookups for blocks it may not use
+               "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 and cache else "false"}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
                 "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", str(cfg.prefill),
                 "--decode", str(cfg.decode), "--timeout", "180"]
