@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from shared.bus.publish import PublishError
@@ -97,17 +98,25 @@ class RequestRun:
                     return
 
     async def close(self) -> None:
-        """Unsubscribe; if the request did not finish (client gone, error), tell its worker to stop."""
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        """Unsubscribe; if the request did not finish (client gone, error), tell its workers to stop.
+
+        Before the first token the handoff may already be on its way, so both the prefill and the
+        decode worker are told. Best effort: a bus that is gone cannot carry the abort anyway.
+        """
         for worker in self._held:
             self.gw.table.release(worker)
         self._held.clear()
-        if not self._finished:
-            worker = self.prefill_worker if self.stage is Stage.PREFILL else self.decode_worker
-            if worker and self.gw.nc.is_connected:
-                abort = AbortRequest(request_id=self.req.request_id)
-                await self.gw.nc.publish(subjects.abort(worker), abort.to_bytes())
+        try:
+            if self._sub is not None:
+                await self._sub.unsubscribe()
+            if not self._finished and self.gw.nc.is_connected:
+                before_handoff = self.stage is Stage.PREFILL
+                workers = [self.prefill_worker, self.decode_worker] if before_handoff else [self.decode_worker]
+                abort = AbortRequest(request_id=self.req.request_id).to_bytes()
+                for worker in filter(None, workers):
+                    await self.gw.nc.publish(subjects.abort(worker), abort)
+        except nats.errors.Error as exc:
+            log.warning("request cleanup incomplete", error=repr(exc))
 
     # --- events ----------------------------------------------------------
 
