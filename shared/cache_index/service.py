@@ -84,8 +84,10 @@ class CacheIndex:
         self._target_seq = last
         config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                                     opt_start_seq=self.state.stream_seq + 1)
+        # The ordered consumer lives in server memory: after a NATS restart, missed idle heartbeats make
+        # nats-py recreate it from the last sequence seen; 1 s heartbeats bound that to a few seconds.
         self._sub = await self.js.subscribe(subjects.KV_EVENTS_ALL, stream=KV_EVENTS.name, cb=self._on_msg,
-                                            ordered_consumer=True, config=config)
+                                            ordered_consumer=True, config=config, idle_heartbeat=1.0)
         self._check_ready()
         for worker in self.state.gaps():
             self._schedule_dump(worker)

@@ -207,3 +207,21 @@ async def test_router_lookup_degrades_to_none_without_an_index(fresh_nats_server
         t0 = loop.time()
         assert await lookup_prefix(nc, chain(3, "x"), timeout_s=0.5) is None
         assert loop.time() - t0 < 0.5  # no responders: answered at once, not after the timeout
+
+
+async def test_replica_keeps_consuming_after_a_nats_restart(fresh_nats_server):
+    url, s = fresh_nats_server.url, index_settings()
+    worker = unique("w")
+    async with connected(url, "workers") as nc, replica(url, s) as idx:
+        events = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), worker, s)
+        await events.start(nc)
+        events.stored(chain(5, "before"), Tier.L1, tokens_per_block=16)
+        await events.flushed()
+        await eventually(lambda: answer(idx, chain(5, "before")) == {worker: 5}, 10, "indexed before")
+        fresh_nats_server.stop()
+        fresh_nats_server.start()
+        events.stored(chain(5, "after"), Tier.L2, tokens_per_block=16)
+        await events.flushed(timeout_s=20)
+        await eventually(lambda: answer(idx, chain(5, "after")) == {worker: 5}, 30, "indexed after the restart")
+        assert answer(idx, chain(5, "before")) == {worker: 5}
+        await events.stop()
