@@ -31,7 +31,7 @@ from rich.progress import Progress
 from shared.bus.connection import close, connect
 from shared.bus.request import request, serve
 from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import key_of
+from shared.cache_index.index import keys_of
 from shared.cache_index.messages import LookupReply, LookupRequest
 from shared.cache_index.service import CacheIndex
 from shared.config import BusSettings, IndexSettings
@@ -111,7 +111,7 @@ def _in_process(batches: list[KVEventBatch], queries: list[list[str]]) -> tuple[
     wall, cpu, structure = [], [], []
     for q in queries:
         t, c = time.perf_counter(), time.thread_time()
-        keys = [key_of(h) for h in q]
+        keys = keys_of(q)
         s = time.thread_time()
         state.index.lookup(keys)
         end = time.thread_time()

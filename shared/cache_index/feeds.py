@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.cache_index.index import BlockIndex, key_of
+from shared.cache_index.index import BlockIndex, keys_of
 from shared.kv_events.dump import WorkerState
 from shared.kv_events.events import BlockMoved, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from shared.tiers.miss import Tier
@@ -70,8 +70,8 @@ class IndexState:
         if feed is None:
             return False
         self.index.clear_worker(state.worker)
-        self.index.add(state.worker, Tier.L1, map(key_of, state.l1))
-        self.index.add(state.worker, Tier.L2, map(key_of, state.l2))
+        self.index.add(state.worker, Tier.L1, keys_of(state.l1))
+        self.index.add(state.worker, Tier.L2, keys_of(state.l2))
         held = sorted(feed.held, key=lambda e: e.seq)
         feed.next_seq, feed.gap, feed.dead, feed.held = state.seq + 1, False, False, []
         for ev in held:
@@ -116,11 +116,11 @@ class IndexState:
         self.events_applied += 1
         index = self.index
         if isinstance(ev, BlockStored):
-            index.add(worker, ev.tier, map(key_of, ev.hashes))
+            index.add(worker, ev.tier, keys_of(ev.hashes))
         elif isinstance(ev, BlockRemoved):
-            index.discard(worker, ev.tier, map(key_of, ev.hashes))
+            index.discard(worker, ev.tier, keys_of(ev.hashes))
         elif isinstance(ev, BlockMoved):
-            keys = [key_of(h) for h in ev.hashes]
+            keys = keys_of(ev.hashes)
             index.discard(worker, ev.src, keys)
             index.add(worker, ev.dst, keys)
         else:  # WorkerCleared

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.cache_index import snapshot
 from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import key_of
+from shared.cache_index.index import keys_of
 from shared.cache_index.messages import LookupReply, LookupRequest, SnapshotReply, SnapshotRequest
 from shared.cache_index.metrics import IndexMetrics
 from shared.config import IndexSettings
@@ -112,7 +112,7 @@ class CacheIndex:
 
     async def lookup(self, req: LookupRequest) -> LookupReply:
         t0 = time.perf_counter()
-        result = self.state.index.lookup([key_of(h) for h in req.hashes])
+        result = self.state.index.lookup(keys_of(req.hashes))
         if self.metrics is not None:
             self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return LookupReply.of(result, len(self.state.index), self.ready)

@@ -20,8 +20,8 @@ from pydantic import Field, StringConstraints
 from shared.protocol.base import Message
 from shared.tiers.miss import Tier
 
-# A block hash in hex (lowercase, at least the 64 bits the index keys on).
-HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,128}$")]
+# A block hash (SHA-256, shared/engine/block_hash.py) in lowercase hex.
+HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 # Tiers an index entry can name. PEER is a way of reaching another worker's L2, not a place.
 INDEXED_TIERS = (Tier.L1, Tier.L2, Tier.L3)

@@ -59,7 +59,7 @@ async def test_process_snapshots_on_sigterm_and_restarts_from_it(fresh_nats_serv
     blocks = chain(30, "proc")
     query = LookupRequest(hashes=[h.hex() for h in blocks])
     async with connected(url, "worker") as nc:
-        beat = HeartbeatLoop(nc.jetstream(), worker, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=2.0,
+        beat = HeartbeatLoop(nc.jetstream(), worker, Role.DECODE, "http://127.0.0.1:1", interval_s=0.5, ttl_s=5.0,
                              metrics=ServiceMetrics.create("test"))  # alive: the index keeps its blocks
         beating = asyncio.create_task(beat.run())
         events = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), worker, IndexSettings(flush_interval_s=0.01))
@@ -84,7 +84,7 @@ async def test_process_snapshots_on_sigterm_and_restarts_from_it(fresh_nats_serv
             port = free_port()
             procs.append(second := _start(url, port, snap))
             await _ready(second, port)
-            assert await held() == 10
+            await eventually(lambda: _is(held(), 10), 10, "snapshot + replayed removal")
             logs = await _stop(second)
             assert any(r["event"] == "index snapshot loaded" and r["blocks"] == 30 for r in logs)
         finally:
