@@ -28,7 +28,7 @@ from shared.engine.loader import LoadedModel
 from shared.engine.pins import PinSet
 from shared.engine.prefix_cache import KVEventListener, PrefixCache
 from shared.engine.request import Request, RequestOutput
-from shared.engine.sampling import SamplingParams, make_generator, sample
+from shared.engine.sampling import SamplingParams, make_generator, sample, skip_draws
 from shared.engine.scheduler import ScheduledSeq, Scheduler
 
 
@@ -119,6 +119,7 @@ class Engine:
             generator=make_generator(params),
             use_cache=use_cache,
         )
+        skip_draws(req.generator, len(generated), self.loaded.config.vocab_size)  # seeded sampling continues
         if params.detokenize:
             req.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, params.stop)
             for tok in generated:  # prime: text and stop-string state continue where the first worker was

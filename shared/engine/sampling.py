@@ -53,6 +53,19 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
+def skip_draws(generator: torch.Generator | None, n: int, vocab_size: int) -> None:
+    """Advance a request's RNG past `n` tokens sampled elsewhere (a resumed request), as if drawn here.
+
+    `sample_row` draws through torch.multinomial(probs, 1), which takes one exponential per vocab
+    entry; the serving tests check that a resumed seeded request draws what the whole run draws.
+    """
+    if generator is None:
+        return
+    scratch = torch.empty(vocab_size)
+    for _ in range(n):
+        scratch.exponential_(1, generator=generator)
+
+
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Set all but the k largest logits of the last dim to -inf (k <= 0 or >= vocab: unchanged)."""
     if k <= 0 or k >= logits.shape[-1]:

@@ -49,6 +49,17 @@ def test_resume_from_generated_gives_the_same_tokens_and_text(loaded):
     assert full.text.endswith("".join(pieces)) and len("".join(pieces)) < len(full.text)
 
 
+def test_resumed_seeded_sampling_draws_what_the_whole_run_draws(loaded):
+    prompt = loaded.tokenizer.encode("Sampled, seeded, and moved to another worker after a few tokens.")
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    full = _run(_engine(loaded), "full", prompt, params)
+    resumed = _run(_engine(loaded), "half", prompt, params, generated=full.token_ids[:5])
+    assert resumed.token_ids == full.token_ids
+    other_seed = _run(_engine(loaded), "other", prompt, SamplingParams(max_tokens=16, temperature=0.9, seed=99,
+                                                                         ignore_eos=True))
+    assert other_seed.token_ids != full.token_ids  # the check can fail: the seed matters
+
+
 def test_generated_counts_against_max_tokens(loaded):
     with pytest.raises(ValueError, match="already generated"):
         _engine(loaded).add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), generated=[4, 5])

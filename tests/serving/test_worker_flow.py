@@ -135,6 +135,18 @@ async def test_workers_publish_kv_events_for_the_cache_index(stack, nats_server,
         assert prompt_hashes["L1"] & prompt_hashes["L2"]
 
 
+async def test_seeded_sampling_through_prefill_and_decode_matches_reference(stack, nats_server, reference):
+    pf, dc0, _ = _ids(stack)
+    prompt = _prompt(reference, "Sampling with a seed gives the same answer through the services as in process.")
+    spec = SamplingSpec(max_tokens=14, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True)
+    job = prefill_job(unique(), prompt, dc0, 14).model_copy(update={"sampling": spec})
+    async with connected(nats_server.url) as nc:
+        c = await _run(nc, pf, job)
+        await c.wait_final()
+        await c.close()
+    assert c.ordered == reference(prompt, 14, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True)
+
+
 async def test_first_token_can_finish_at_prefill(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "One token only, please.")
