@@ -3,16 +3,15 @@
 The fields follow the Messages API as the official SDK sends them; unknown
 fields are ignored, a known one with a wrong type or range is a 400 naming
 it. `MessagesRequest.conversation()` flattens content blocks into the
-role/content dicts the chat template takes (text joined, `tool_use` as the
-JSON call the template's tool preamble asks for, `tool_result` as a `tool`
-message) and records, for every `cache_control` breakpoint, the
+messages the chat template takes (text joined, `tool_use` as the assistant's
+`tool_calls` in the OpenAI shape, `tool_result` as a `tool` message), so a
+conversation renders the same through either dialect and records, for every `cache_control` breakpoint, the
 conversation cut right after the marked block (shared/ingress/cache_control.py
 turns those cuts into token positions).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,8 +44,9 @@ class ToolUseBlock(_Body):
     input: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
 
-    def flat(self) -> str:
-        return json.dumps({"name": self.name, "parameters": self.input}, ensure_ascii=False)
+    def call(self) -> dict[str, Any]:
+        """The OpenAI-shaped tool call the chat template renders (as the OpenAI dialect passes it)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.input}}
 
 
 class ToolResultBlock(_Body):
@@ -98,15 +98,24 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
     return {"type": "function", "function": fn}
 
 
-def flatten(role: str, blocks: list[Any]) -> list[dict[str, str]]:
-    """Content blocks of one message -> role/content dicts; a tool_result is a `tool` message of its own."""
-    out: list[dict[str, str]] = []
+def flatten(role: str, blocks: list[Any]) -> list[dict[str, Any]]:
+    """Content blocks of one message -> chat-template messages.
+
+    Text blocks are joined with a newline; `tool_use` blocks become the assistant's `tool_calls`
+    (the template renders them, as for the OpenAI dialect); a `tool_result` is a `tool` message.
+    """
+    out: list[dict[str, Any]] = []
     for block in blocks:
-        kind = "tool" if isinstance(block, ToolResultBlock) else role
-        if out and out[-1]["role"] == kind and kind != "tool":
-            out[-1]["content"] += "\n" + block.flat()
+        if isinstance(block, ToolResultBlock):
+            out.append({"role": "tool", "content": block.flat(), "tool_call_id": block.tool_use_id})
+            continue
+        if not out or out[-1]["role"] != role:
+            out.append({"role": role, "content": ""})
+        msg = out[-1]
+        if isinstance(block, ToolUseBlock):
+            msg.setdefault("tool_calls", []).append(block.call())
         else:
-            out.append({"role": kind, "content": block.flat()})
+            msg["content"] = f"{msg['content']}\n{block.text}" if msg["content"] else block.text
     return out
 
 

@@ -39,8 +39,30 @@ def test_blocks_flatten_in_order() -> None:
     assert bps == []
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool", "user"]
     assert conv.messages[0]["content"] == "sys A\nsys B"
-    assert conv.messages[2]["content"] == 'I will call ls.\n{"name": "ls", "parameters": {"path": "."}}'
-    assert conv.messages[3]["content"] == "a.py"
+    assert conv.messages[2] == {"role": "assistant", "content": "I will call ls.", "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "ls", "arguments": {"path": "."}}}]}
+    assert conv.messages[3] == {"role": "tool", "content": "a.py", "tool_call_id": "t1"}
+
+
+def test_tool_conversation_renders_as_in_the_openai_dialect(prompts: PromptBuilder) -> None:
+    from shared.ingress.openai_models import ChatCompletionRequest
+
+    anth = body(system="sys", tools=[{"name": "ls", "description": "List.", "input_schema": {"type": "object"}}],
+                messages=[{"role": "user", "content": "list"},
+                          {"role": "assistant", "content": [
+                              {"type": "text", "text": "Calling."},
+                              {"type": "tool_use", "id": "c1", "name": "ls", "input": {"path": "."}}]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a.py"}]}])
+    oai = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "list"},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"}],
+        "tools": [{"type": "function", "function": {"name": "ls", "description": "List.",
+                                                    "parameters": {"type": "object"}}}]})
+    conv, _ = anth.conversation()
+    assert prompts.render(conv.messages, conv.tools) == prompts.render([m.flat() for m in oai.messages], oai.tools)
+    assert '{"name": "ls", "parameters": {"path": "."}}' in prompts.render(conv.messages, conv.tools)
 
 
 def test_breakpoints_in_cache_order_and_limits() -> None:
