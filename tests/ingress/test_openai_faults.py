@@ -93,6 +93,21 @@ def retries(stack: ServingStack) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def wait_routed_to(stack: ServingStack, key: str, route: str, timeout_s: float = 20.0) -> None:
+    """Send small requests with affinity `key` until the ingress routes them as `route` says."""
+    import time
+
+    c = client(stack)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = c.completions.with_raw_response.create(model=stack.model_dir.name, prompt="ping", max_tokens=1,
+                                                     extra_body={"prompt_cache_key": key})
+        if route in raw.headers["kvmesh-route"]:
+            return
+        time.sleep(0.3)
+    pytest.fail(f"requests with key {key} never routed as {route}")
+
+
 def long_prompt(stack: ServingStack) -> tuple[str, str]:
     """A prompt whose greedy continuation runs the full LONG tokens, and that continuation."""
     c = client(stack)
@@ -109,6 +124,7 @@ def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
     c = client(stack)
     ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
     key = key_homed_on(PREFILLS, "prefill-0")
+    wait_routed_to(stack, key, "prefill=prefill-0")
     before = retries(stack)
     stack.signal("prefill-0", signal.SIGSTOP)
     try:
@@ -131,6 +147,7 @@ def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack)
     c = client(stack)
     ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
     key = key_homed_on(PREFILLS, "prefill-0")
+    wait_routed_to(stack, key, "prefill=prefill-0")  # back in the ingress's table after the previous test's SIGSTOP
     before = retries(stack)
     stack.signal("prefill-0", signal.SIGSTOP)
     result: dict[str, object] = {}
