@@ -40,7 +40,7 @@ class _Pending:
     tokens_per_block: int = 0
     sealed: bool = False  # taken into a batch, or covered by a state dump: nothing joins it any more
 
-    def build(self) -> KVEvent:
+    def build(self, epoch: int) -> KVEvent:
         if self.kind == "stored" and self.tier is not None:
             return BlockStored(seq=self.seq, hashes=self.hashes, parent=self.parent,
                                tokens_per_block=self.tokens_per_block, tier=self.tier)
@@ -48,7 +48,7 @@ class _Pending:
             return BlockRemoved(seq=self.seq, hashes=self.hashes, tier=self.tier)
         if self.kind == "moved" and self.tier is not None and self.src is not None:
             return BlockMoved(seq=self.seq, hashes=self.hashes, src=self.src, dst=self.tier)
-        return WorkerCleared(seq=self.seq)
+        return WorkerCleared(seq=self.seq, epoch=epoch)
 
 
 @dataclass(slots=True)
@@ -120,7 +120,7 @@ class EventLog:
                 self._pending[take].sealed = True
                 n += len(self._pending[take].hashes)
                 take += 1
-            events = [p.build() for p in self._pending[:take]]
+            events = [p.build(self.epoch) for p in self._pending[:take]]
         return KVEventBatch(worker=self.worker_id, epoch=self.epoch, events=events)
 
     def published(self, last_seq: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, model_validator
 
 from shared.protocol.base import Message
 from shared.tiers.miss import Tier
@@ -58,10 +58,11 @@ class BlockMoved(Message):
 
 
 class WorkerCleared(Message):
-    """The worker holds nothing in L1/L2 (a restart, or an explicit clear)."""
+    """The worker holds nothing in L1/L2: the start of epoch `epoch` (a restart), or an explicit clear."""
 
     kind: Literal["cleared"] = "cleared"
     seq: int = Field(ge=1)
+    epoch: int = Field(ge=0)  # the same as its batch's; here too so the event reads on its own
 
 
 KVEvent = Annotated[BlockStored | BlockRemoved | BlockMoved | WorkerCleared, Field(discriminator="kind")]
@@ -73,6 +74,15 @@ class KVEventBatch(Message):
     worker: str = Field(min_length=1)
     epoch: int = Field(ge=0)
     events: list[KVEvent] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consecutive(self) -> KVEventBatch:
+        first = self.events[0].seq
+        if any(e.seq != first + i for i, e in enumerate(self.events)):
+            raise ValueError("events must carry consecutive sequence numbers")
+        if any(isinstance(e, WorkerCleared) and e.epoch != self.epoch for e in self.events):
+            raise ValueError("a WorkerCleared names another epoch than its batch")
+        return self
 
     @property
     def first_seq(self) -> int:

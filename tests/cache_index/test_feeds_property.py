@@ -221,3 +221,6 @@ def test_events_with_malformed_hashes_are_rejected_whole():
     with pytest.raises(ProtocolError):
         KVEventBatch.from_bytes(data)
     assert KVEventBatch.from_bytes(bad.to_bytes()) == bad
+    cleared = b'{"schema_version":1,"kind":"cleared","seq":3,"epoch":1},'
+    with pytest.raises(ProtocolError):  # seqs 3, 1: not consecutive
+        KVEventBatch.from_bytes(bad.to_bytes().replace(b'"events":[', b'"events":[' + cleared))
