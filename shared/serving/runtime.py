@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from shared.cache_policy.registry import get_policy
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load_model
 from shared.kv_events.publisher import KVEventPublisher
@@ -47,7 +46,7 @@ class WorkerRuntime:
         loaded = await asyncio.to_thread(load_model, s.model_dir, s.engine.dtype, s.engine.device)
         events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)
         await events.start(ctx.nc)  # before the engine stores its first block
-        engine = EngineLoop(Engine(loaded, s.engine, get_policy(s.engine.eviction_policy), listener=events))
+        engine = EngineLoop(Engine(loaded, s.engine, listener=events))  # policy: settings.engine.eviction_policy
         engine.start()
         tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events)
         peers = PeerDirectory(ctx.js, ctx.worker_id)

@@ -284,20 +284,28 @@ async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
     assert final.finish_reason == "error" and final.retriable and final.token_ids == []
 
 
-async def test_cache_audit_counts_hits_without_mismatch(stack):
-    _, dc0, dc1 = _ids(stack)
+async def test_cache_audit_counts_hits_without_mismatch(stack, nats_server, reference):
+    pf, dc0, dc1 = _ids(stack)
+
+    def audited() -> float:
+        return stack.metric(dc0, "kvmesh_cache_audit_total") + stack.metric(dc1, "kvmesh_cache_audit_total")
+
+    before = audited()
+    prompt = _prompt(reference, "Audit me: the cold recompute must give the same tokens as the cached path. " * 2)
+    async with connected(nats_server.url) as nc:
+        for worker in (dc0, dc1, dc0):  # every one reuses KV (handed-off blocks, then prefill hits)
+            c = await _run(nc, pf, prefill_job(unique(), prompt, worker, max_tokens=10))
+            await c.wait_final()
+            await c.close()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        audited = stack.metric(dc0, "kvmesh_cache_audit_total") + stack.metric(dc1, "kvmesh_cache_audit_total")
-        if audited >= 3:
-            break
-        await asyncio.sleep(0.5)
-    assert audited >= 3
+    while audited() < before + 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+    assert audited() >= before + 3
     assert stack.metric(dc0, "kvmesh_cache_audit_mismatch_total") == 0
     assert stack.metric(dc1, "kvmesh_cache_audit_mismatch_total") == 0
     # What `kvmesh status` reads (endpoints named like the stack names decode replicas).
     counts = read_audit_counts([(f"decode-{i}", stack.procs[w].http_endpoint) for i, w in enumerate((dc0, dc1))])
-    assert counts.workers_read == 2 and counts.audited >= 3 and counts.mismatches == 0
+    assert counts.workers_read == 2 and counts.audited >= before + 3 and counts.mismatches == 0
 
 
 async def test_abort_stops_the_stream_without_a_final_event(stack, nats_server, reference):
