@@ -1,0 +1,63 @@
+"""From the occupancy view to commands: which worker should demote what, now.
+
+`Advisor.advise(now)` runs `plan_demotion` for every worker's L1 and L2
+against their capacities and returns the `WorkerCommand`s to send. A block
+advised to leave counts as gone for `readvise_s` (until the worker's events
+say where it went), so one over-full tier is not advised twice. Protected:
+pinned blocks; in L2 also blocks without an L3 copy (dropping them there
+would lose them).
+"""
+
+from __future__ import annotations
+
+import xxhash
+from dataclasses import dataclass, field
+
+from shared.cache_policy.base import EvictionPolicy
+from shared.config import EvictionSettings
+from shared.eviction.decisions import Watermarks, plan_demotion
+from shared.eviction.messages import Demote, WorkerCommand
+from shared.eviction.occupancy import OccupancyView
+from shared.eviction.pins import PinTable
+from shared.tiers.miss import Tier
+
+
+@dataclass(slots=True)
+class Advisor:
+    view: OccupancyView
+    pins: PinTable
+    policy: EvictionPolicy
+    settings: EvictionSettings
+    l1_capacity: int
+    _advised: dict[tuple[str, Tier, bytes], float] = field(default_factory=dict)  # -> when advised
+
+    def advise(self, now: float) -> list[WorkerCommand]:
+        s = self.settings
+        marks = Watermarks(s.high_water, s.low_water)
+        self._advised = {k: t for k, t in self._advised.items() if now - t < s.readvise_s}
+        out: list[WorkerCommand] = []
+        caps = {Tier.L1: self.l1_capacity, Tier.L2: s.l2_capacity_blocks}
+        for worker in list(self.view.workers):
+            for tier, cap in caps.items():
+                if not cap:
+                    continue
+                blocks = {h: i for h, i in self.view.blocks(worker, tier).items()
+                          if (worker, tier, h) not in self._advised}
+
+                def protected(h: bytes, tier: Tier = tier) -> bool:
+                    return self.pins.pinned(h, now) or (tier is Tier.L2 and h not in self.view.l3)
+                victims = plan_demotion(blocks, cap, marks, self.policy, now, protected)
+                for k in range(0, len(victims), s.max_hashes_per_command):
+                    part = victims[k:k + s.max_hashes_per_command]
+                    out.append(self._command(worker, tier, part, now))
+                for h in victims:
+                    self._advised[(worker, tier, h)] = now
+        return out
+
+    def _command(self, worker: str, tier: Tier, hashes: list[bytes], now: float) -> WorkerCommand:
+        # Derived from the content and the re-advise period: a retried publish is deduplicated,
+        # a deliberate re-advice later is not.
+        digest = xxhash.xxh3_64_hexdigest(b"".join(hashes))
+        cid = f"demote-{worker}-{tier.value}-{digest}-{int(now // self.settings.readvise_s)}"
+        return WorkerCommand(worker=worker, command_id=cid,
+                             command=Demote(hashes=[h.hex() for h in hashes], src=tier))

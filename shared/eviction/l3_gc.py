@@ -1,0 +1,142 @@
+"""L3 garbage collection: delete chunk objects past their TTL, over a tenant's quota, over the bucket budget.
+
+L3 is content-addressed (`{fingerprint}/{namespace}/{last block hash}`):
+two workers writing the same chunk write one object, so there is one copy
+per block by construction and GC never has duplicates to reconcile; it only
+decides which objects go. The facts come from each object's metadata as
+`L3Store.put_chunk` wrote it (namespace, ttl-s, last-access, blocks) and
+its size. Order of the cuts: expired first (TTL from the metadata), then
+each namespace down to its quota, then the bucket down to its byte budget;
+within a cut, the policy's lowest priority goes first. A pinned chunk (any
+of its blocks pinned) is never deleted, not even when expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from shared.cache_policy.base import BlockInfo, EvictionPolicy
+from shared.eviction.pins import PinTable
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import Miss
+
+
+@dataclass(slots=True, frozen=True)
+class L3Object:
+    key: str
+    namespace: str
+    size: int
+    last_access: float  # unix seconds
+    ttl_s: float
+    blocks: int
+
+    @property
+    def last_hash(self) -> bytes:
+        return bytes.fromhex(self.key.rsplit("/", 1)[-1])
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_access + self.ttl_s
+
+
+@dataclass(slots=True, frozen=True)
+class GCLimits:
+    capacity_bytes: int | None = None  # the whole bucket (this fingerprint's objects); None: unbounded
+    namespace_quota_bytes: int | None = None  # default quota of every namespace
+    quotas: Mapping[str, int] = field(default_factory=dict)  # per-namespace overrides
+
+    def quota(self, namespace: str) -> int | None:
+        return self.quotas.get(namespace, self.namespace_quota_bytes)
+
+
+@dataclass(slots=True)
+class GCPlan:
+    expired: list[str] = field(default_factory=list)
+    over_quota: list[str] = field(default_factory=list)
+    over_capacity: list[str] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[str]:
+        return [*self.expired, *self.over_quota, *self.over_capacity]
+
+
+def scan(store: L3Store) -> list[L3Object]:
+    """Every chunk object of the store's fingerprint with its metadata (one stat per object)."""
+    out: list[L3Object] = []
+    prefix = f"{store.fingerprint}/" if store.fingerprint else None  # no fingerprint: every model's chunks
+    for item in store.client.list_objects(store.bucket, prefix=prefix, recursive=True):
+        st = store.client.stat_object(store.bucket, item.object_name)
+        meta = st.metadata or {}
+        def get(name: str, default: str) -> str:
+            return meta.get(f"x-amz-meta-{name}", default)
+        out.append(L3Object(key=item.object_name, namespace=get("namespace", item.object_name.split("/")[1]),
+                            size=int(st.size or 0), last_access=float(get("last-access", "0")),
+                            ttl_s=float(get("ttl-s", str(store.ttl_s))), blocks=int(get("blocks", "1"))))
+    return out
+
+
+def chunk_pinned(store: L3Store, pins: PinTable, now: float) -> Callable[[L3Object], bool]:
+    """Whether any block of a chunk is pinned: its key names the last; the others need its TOC (read lazily).
+
+    A TOC that cannot be read counts as pinned: GC deletes only what it knows is unpinned.
+    """
+    def pinned(obj: L3Object) -> bool:
+        if not len(pins):
+            return False
+        if pins.pinned(obj.last_hash, now):
+            return True
+        toc = store.read_toc(obj.key, max_blocks=max(obj.blocks, 1))
+        return isinstance(toc, Miss) or pins.any_pinned((h for h, _, _ in toc), now)
+    return pinned
+
+
+def plan_gc(objects: Iterable[L3Object], limits: GCLimits, policy: EvictionPolicy, now: float,
+            pinned: Callable[[L3Object], bool], accesses: Callable[[L3Object], int] = lambda o: 1) -> GCPlan:
+    """The keys to delete and why; pure apart from the callbacks (pins, access counts)."""
+    plan = GCPlan()
+    live: list[L3Object] = []
+    for obj in objects:
+        (plan.expired if obj.expires_at <= now and not pinned(obj) else live).append(obj)
+    plan.expired = [o.key for o in plan.expired]
+
+    def rank(obj: L3Object) -> float:
+        info = BlockInfo(obj.last_hash, None, 0, max(obj.blocks, 1), max(obj.size, 1), obj.last_access,
+                         obj.last_access, max(accesses(obj), 1))
+        return policy.priority(info, now)
+
+    by_ns: dict[str, list[L3Object]] = {}
+    for obj in live:
+        by_ns.setdefault(obj.namespace, []).append(obj)
+    for ns, objs in by_ns.items():
+        quota = limits.quota(ns)
+        if quota is not None:
+            plan.over_quota += _cut(objs, quota, rank, pinned)
+    gone = set(plan.over_quota)
+    live = [o for o in live if o.key not in gone]
+    if limits.capacity_bytes is not None:
+        plan.over_capacity = _cut(live, limits.capacity_bytes, rank, pinned)
+    return plan
+
+
+def apply_gc(store: L3Store, keys: Iterable[str]) -> int:
+    """Delete the objects; returns how many (an absent one counts: S3 DELETE is idempotent)."""
+    n = 0
+    for key in keys:
+        store.client.remove_object(store.bucket, key)
+        n += 1
+    return n
+
+
+def _cut(objs: list[L3Object], budget: int, rank: Callable[[L3Object], float],
+         pinned: Callable[[L3Object], bool]) -> list[str]:
+    total = sum(o.size for o in objs)
+    out: list[str] = []
+    for obj in sorted(objs, key=rank):
+        if total <= budget:
+            break
+        if pinned(obj):
+            continue
+        out.append(obj.key)
+        total -= obj.size
+    return out

@@ -1,0 +1,173 @@
+"""The eviction service: KV events and heartbeats in; demote / warm commands and L3 deletions out.
+
+It reads the whole KV_EVENTS stream through its own ordered consumer (as
+each cache-index replica does) into an `OccupancyView`, watches the
+`workers` bucket (a worker going down is forgotten; a worker that started
+within `warm_window_s` gets a `Warm` of the hottest L3 chunks), answers
+`EVICTION_PIN`, and every `tick_s` sends the `Advisor`'s demotions to
+`subjects.commands(worker)` (stream COMMANDS). Every `gc_interval_s` it
+scans L3 and deletes what `plan_gc` picks. It only advises: workers never
+wait for it, and if it is down they evict locally under their own policy.
+All times are unix seconds (L3 metadata and pins are wall-clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+from datetime import UTC, datetime
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from shared.bus.publish import Publisher
+from shared.cache_policy.registry import get_policy
+from shared.config import EvictionSettings
+from shared.eviction.advisor import Advisor
+from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan
+from shared.eviction.messages import PinReply, PinRequest, Warm, WorkerCommand
+from shared.eviction.occupancy import OccupancyView
+from shared.eviction.pins import PinTable
+from shared.eviction.warmup import plan_warm
+from shared.kv_events.events import KVEventBatch
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.protocol.base import ProtocolError
+from shared.protocol.messages import Heartbeat, Role
+from shared.protocol.streams import KV_EVENTS
+from shared.service.watch import Change, watch_workers
+from shared.tiers.l3_store import L3Store
+
+log = get_logger(__name__)
+
+WARMED_ROLES = (Role.PREFILL, Role.DECODE)
+
+
+class EvictionService:
+    """`start()`, then `pin` serves EVICTION_PIN; `stop()` ends its tasks. `l3=None`: no GC, no warm-up."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, publisher: Publisher, settings: EvictionSettings,
+                 l1_capacity: int, l3: L3Store | None = None) -> None:
+        self.nc, self.js, self.publisher, self.settings, self.l3 = nc, js, publisher, settings, l3
+        self.policy = get_policy(settings.policy)
+        self.view = OccupancyView()
+        self.pins = PinTable()
+        self.advisor = Advisor(self.view, self.pins, self.policy, settings, l1_capacity)
+        self.l3_objects: list[L3Object] = []
+        self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status
+        self.deleted = 0
+        self._sub = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        self._sub = await self.js.subscribe(subjects.KV_EVENTS_ALL, stream=KV_EVENTS.name, cb=self._on_events,
+                                            ordered_consumer=True, config=config, idle_heartbeat=1.0)
+        self._tasks = [asyncio.create_task(self._every(self.settings.tick_s, self.tick)),
+                       asyncio.create_task(self._watch())]
+        if self.l3 is not None:
+            self._tasks.append(asyncio.create_task(self._every(self.settings.gc_interval_s, self.collect)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+
+    # --- endpoint --------------------------------------------------------
+
+    async def pin(self, req: PinRequest) -> PinReply:
+        until = time.time() + req.ttl_s
+        n = self.pins.pin((bytes.fromhex(h) for h in req.hashes), until)
+        return PinReply(pinned=n, until=until)
+
+    # --- periodic work -----------------------------------------------------
+
+    async def tick(self) -> None:
+        now = time.time()
+        self.pins.expire(now)
+        for cmd in self.advisor.advise(now):
+            await self._send(cmd)
+
+    async def collect(self) -> GCPlan:
+        """One L3 pass: scan, plan, delete; also refreshes the object list warm-ups rank."""
+        assert self.l3 is not None
+        store, now = self.l3, time.time()
+        objects = await asyncio.to_thread(scan, store)
+        s = self.settings
+        limits = GCLimits(capacity_bytes=s.l3_capacity_bytes, namespace_quota_bytes=s.namespace_quota_bytes)
+        pinned = chunk_pinned(store, self.pins, now)
+
+        def accesses(obj: L3Object) -> int:
+            info = self.view.stats.get(obj.last_hash)
+            return info.access_count if info is not None else 1
+        plan = await asyncio.to_thread(plan_gc, objects, limits, self.policy, now, pinned, accesses)
+        self.deleted += await asyncio.to_thread(apply_gc, store, plan.keys)
+        gone = set(plan.keys)
+        self.l3_objects = [o for o in objects if o.key not in gone]
+        if gone:
+            log.info("L3 gc", expired=len(plan.expired), over_quota=len(plan.over_quota),
+                     over_capacity=len(plan.over_capacity))
+        return plan
+
+    async def warm(self, worker: str) -> WorkerCommand | None:
+        """Send `worker` the hottest L3 chunks (scanning L3 first if no scan has run yet)."""
+        if self.l3 is None:
+            return None
+        if not self.l3_objects:
+            self.l3_objects = await asyncio.to_thread(scan, self.l3)
+        keys = plan_warm(self.l3_objects, self.policy, time.time(), self.settings.warm_max_chunks,
+                         self.view.stats.get)
+        if not keys:
+            return None
+        cmd = WorkerCommand(worker=worker, command_id=f"warm-{worker}-{len(keys)}-{keys[0].rsplit('/', 1)[-1]}",
+                            command=Warm(keys=keys))
+        await self._send(cmd)
+        return cmd
+
+    # --- internals ---------------------------------------------------------
+
+    async def _on_events(self, msg: Msg) -> None:
+        try:
+            batch = KVEventBatch.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable KV event batch skipped", error=str(exc))
+            return
+        self.view.apply(batch, time.time())
+
+    async def _send(self, cmd: WorkerCommand) -> None:
+        await self.publisher.publish(subjects.commands(cmd.worker), cmd, msg_id=cmd.command_id)
+        self.sent = [*self.sent[-255:], cmd]
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for change in watch_workers(self.js):
+                    if change.change is Change.DOWN:
+                        self.view.forget_worker(change.worker_id)
+                    elif change.change is Change.UP and self._fresh(change.heartbeat):
+                        await self.warm(change.worker_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the watch restarts; advice is best effort
+                log.warning("worker watch failed; restarting", error=repr(exc))
+                await asyncio.sleep(1.0)
+
+    def _fresh(self, hb: Heartbeat | None) -> bool:
+        if hb is None or hb.role not in WARMED_ROLES:
+            return False
+        return (datetime.now(UTC) - hb.started_at).total_seconds() <= self.settings.warm_window_s
+
+    async def _every(self, period_s: float, fn) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await fn()
+            except Exception as exc:  # noqa: BLE001 - one failed pass (S3 or NATS down) is retried next period
+                log.warning("eviction pass failed", what=fn.__name__, error=repr(exc))

@@ -1,0 +1,21 @@
+"""Wiring the eviction service into the runner: its endpoint, its L3 store, start and stop."""
+
+from __future__ import annotations
+
+from shared.eviction.messages import PinRequest
+from shared.eviction.service import EvictionService
+from shared.protocol import subjects
+from shared.service.runner import ServiceContext
+from shared.tiers.factory import build_l3_store
+from shared.tiers.miss import MissCounters
+
+
+async def setup(ctx: ServiceContext) -> None:
+    s = ctx.settings
+    # No fingerprint: the service garbage-collects every model's chunks in the bucket.
+    l3 = build_l3_store(s, "", s.engine.block_size, MissCounters())
+    service = EvictionService(ctx.nc, ctx.js, ctx.publisher, s.eviction,
+                              s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3)
+    await service.start()
+    ctx.add_endpoint(subjects.EVICTION_PIN, PinRequest, service.pin)
+    ctx.on_stop.append(service.stop)

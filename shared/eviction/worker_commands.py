@@ -1,0 +1,134 @@
+"""The worker side of eviction advice: apply a `WorkerCommand` through the engine and tier APIs.
+
+- demote L1 -> L2: export the blocks from the engine, put them into L2,
+  then drop them from L1 (only unreferenced leaves drop: a block a request
+  or a pin holds stays; the engine's listener reports the L1 removal);
+- demote L2 -> L3: drop the L2 copy (the service sends this only for blocks
+  L3 holds: uploads already wrote them); pinned L2 blocks stay;
+- drop: forget the blocks in L1 or L2;
+- warm: fetch chunk objects from L3 into L2 (verified on read).
+
+Every action is idempotent (a block no longer where the command says is
+skipped), so a redelivered command is harmless. The engine runs on its own
+thread; everything here runs on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from shared.engine.engine import Engine
+from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
+from shared.kv_events.publisher import KVEventPublisher
+from shared.tiers.l2_host import HostTier
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import Miss, Tier
+
+T = TypeVar("T")
+
+
+class EngineCaller(Protocol):
+    """What the handler needs of `shared.serving.engine_loop.EngineLoop`: run a function on the engine thread."""
+
+    async def call(self, fn: Callable[[Engine], T]) -> T: ...
+
+
+@dataclass(slots=True)
+class CommandResult:
+    moved: int = 0  # blocks now one tier down
+    dropped: int = 0
+    warmed: int = 0  # blocks fetched from L3 into L2
+    skipped: int = 0  # in use, pinned, absent, or a chunk L3 could not serve
+
+
+@dataclass
+class CommandHandler:
+    engine: EngineCaller
+    l2: HostTier
+    l3: L3Store | None = None
+    events: KVEventPublisher | None = None
+    applied: CommandResult = field(default_factory=CommandResult)  # running totals, for metrics and tests
+
+    async def apply(self, msg: WorkerCommand) -> CommandResult:
+        cmd = msg.command
+        if isinstance(cmd, Demote):
+            res = await self.demote([bytes.fromhex(h) for h in cmd.hashes], cmd.src)
+        elif isinstance(cmd, Drop):
+            res = await self.drop([bytes.fromhex(h) for h in cmd.hashes], cmd.tier)
+        else:
+            assert isinstance(cmd, Warm)
+            res = await self.warm(cmd.keys)
+        for name in ("moved", "dropped", "warmed", "skipped"):
+            setattr(self.applied, name, getattr(self.applied, name) + getattr(res, name))
+        return res
+
+    async def demote(self, hashes: list[bytes], src: Tier) -> CommandResult:
+        if src is Tier.L1:
+            return await self._l1_to_l2(hashes)
+        if src is Tier.L2:
+            return self._drop_l2(hashes, moved=True)
+        return CommandResult(skipped=len(hashes))
+
+    async def drop(self, hashes: list[bytes], tier: Tier) -> CommandResult:
+        if tier is Tier.L1:
+            dropped = await self.engine.call(lambda e: e.drop_blocks(hashes))
+            return CommandResult(dropped=len(dropped), skipped=len(hashes) - len(dropped))
+        if tier is Tier.L2:
+            return self._drop_l2(hashes, moved=False)
+        return CommandResult(skipped=len(hashes))
+
+    async def warm(self, keys: list[str]) -> CommandResult:
+        res = CommandResult()
+        if self.l3 is None:
+            res.skipped = len(keys)
+            return res
+        for key in keys:
+            chunk = await asyncio.to_thread(self.l3.get_chunk, key)
+            if isinstance(chunk, Miss):
+                res.skipped += 1
+                continue
+            for stored in chunk:
+                kb = stored.to_kv_block()
+                put = self.l2.put_block(kb)
+                if self.events is not None:
+                    if put.evicted:
+                        self.events.removed(put.evicted, Tier.L2)
+                    if put.stored:
+                        self.events.stored([kb.block_hash], Tier.L2, parent=kb.parent_hash,
+                                           tokens_per_block=len(kb.token_ids))
+                res.warmed += int(put.stored)
+                res.skipped += int(not put.stored)
+        return res
+
+    # --- internals ---------------------------------------------------------
+
+    async def _l1_to_l2(self, hashes: list[bytes]) -> CommandResult:
+        # Copy out, store in L2 here (L2 belongs to the event loop), then drop: a block a request
+        # took in between is not dropped (the engine drops only unreferenced leaves) and the copy is harmless.
+        blocks = await self.engine.call(lambda e: [kb for h in hashes for kb in e.export_blocks([h])])
+        safe: list[bytes] = []
+        for kb in blocks:
+            put = self.l2.put_block(kb)
+            if put.stored:
+                safe.append(kb.block_hash)
+                self._announce_l2(kb, put.evicted)
+        dropped = await self.engine.call(lambda e: e.drop_blocks(safe)) if safe else []
+        return CommandResult(moved=len(dropped), skipped=len(hashes) - len(dropped))
+
+    def _drop_l2(self, hashes: list[bytes], moved: bool) -> CommandResult:
+        now = self.l2.clock()
+        gone = [h for h in hashes if not self.l2.is_pinned(h, now) and self.l2.remove(h)]
+        if gone and self.events is not None:
+            self.events.removed(gone, Tier.L2)
+        n = len(gone)
+        return CommandResult(moved=n if moved else 0, dropped=0 if moved else n, skipped=len(hashes) - n)
+
+    def _announce_l2(self, kb, evicted: list[bytes]) -> None:
+        if self.events is None:
+            return
+        if evicted:
+            self.events.removed(evicted, Tier.L2)
+        self.events.stored([kb.block_hash], Tier.L2, parent=kb.parent_hash, tokens_per_block=len(kb.token_ids))
