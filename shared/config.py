@@ -98,6 +98,24 @@ class WorkerSettings(BaseModel):
     remember_finished: int = 4096  # (request, attempt) pairs kept to ack redeliveries without re-running
 
 
+class EvictionSettings(BaseModel):
+    """The global eviction service (shared/eviction): watermarks, L3 GC budgets, warm-up."""
+
+    policy: str = "cost"  # a name in shared/cache_policy/registry.py: the order of all its advice
+    tick_s: float = 1.0  # how often occupancy is checked against the watermarks
+    high_water: float = 0.9  # share of a tier's capacity above which it advises demotion
+    low_water: float = 0.75  # ... down to this share
+    l1_capacity_blocks: int | None = None  # None: engine.num_blocks
+    l2_capacity_blocks: int | None = None  # None: no L2 advice (L2 evicts by itself when full)
+    readvise_s: float = 30.0  # a block advised to leave is not advised again for this long
+    max_hashes_per_command: int = 4096
+    gc_interval_s: float = 60.0
+    l3_capacity_bytes: int | None = None  # budget of the whole L3 bucket; None: TTL only
+    namespace_quota_bytes: int | None = None  # per-tenant L3 budget; None: no quota
+    warm_max_chunks: int = 64  # chunk keys in a new worker's warm command
+    warm_window_s: float = 120.0  # a worker is warmed if it started this recently (not on a service restart)
+
+
 class StackSettings(BaseModel):
     """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
 
@@ -169,6 +187,7 @@ class Settings(BaseSettings):
     workers: WorkerSettings = Field(default_factory=WorkerSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     index: IndexSettings = Field(default_factory=IndexSettings)
+    eviction: EvictionSettings = Field(default_factory=EvictionSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -246,6 +246,10 @@ class Engine:
         """The leading run of `hashes` that is cached, as KVBlocks with CPU tensors."""
         return export_blocks(self.cache, self.kv_cache, hashes)
 
+    def drop_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Uncache those of `hashes` that are unreferenced leaves (tail first, so a chain goes leaf-first)."""
+        return [h for h in reversed(hashes) if self.cache.drop(h)]
+
     def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "") -> int:
         """Insert a verified chain of blocks into pool + prefix cache; returns how many were newly inserted.
 

@@ -207,10 +207,28 @@ class PrefixCache:
         info.last_access = now
         info.access_count += 1
 
+    def drop(self, block_hash: BlockHash) -> bool:
+        """Uncache an unreferenced leaf now and free its slot (a demotion the eviction service advised).
+
+        False, and nothing changes, for a block that is absent, in use (pinned included) or a parent.
+        """
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None or block_id not in self._evictable or self._info[block_id].num_children:
+            return False
+        self._evictable.discard(block_id)
+        block = self._uncache(block_id)
+        block.ref_count = 0
+        self.pool.put_free(block)
+        return True
+
     def _evict_one(self) -> Block:
         block_id = self._evictable.pop()
         if block_id is None:
             raise RuntimeError("no evictable block although num_allocatable said so")
+        return self._uncache(block_id)
+
+    def _uncache(self, block_id: int) -> Block:
+        """Forget an unreferenced cached block; it comes back with ref 1 (the caller's)."""
         block = self.pool.blocks[block_id]
         block_hash = block.block_hash
         assert block_hash is not None and block.ref_count == 0

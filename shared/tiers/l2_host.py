@@ -135,6 +135,10 @@ class HostTier:
         if block_hash in self._info:
             self._info[block_hash].pinned_until = until
 
+    def is_pinned(self, block_hash: bytes, now: float) -> bool:
+        info = self._info.get(block_hash)
+        return info is not None and info.pinned_until > now
+
     def remove(self, block_hash: bytes) -> bool:
         info = self._info.pop(block_hash, None)
         if info is None:
