@@ -92,6 +92,9 @@ class CommandHandler:
                 continue
             for stored in chunk:
                 kb = stored.to_kv_block()
+                if kb.block_hash in self.l2:
+                    res.skipped += 1  # already here: nothing to fetch, nothing to announce
+                    continue
                 put = self.l2.put_block(kb)
                 if self.events is not None:
                     if put.evicted:

@@ -19,3 +19,32 @@ def infos(hashes: list[bytes], last_access: float = 0.0, step: float = 1.0) -> d
         out[h] = BlockInfo(h, parent, i, 16, 1024, 0.0, last_access + i * step)
         parent = h
     return out
+
+
+def kv_chain(n: int, seed: int = 0):
+    """`n` chained KVBlocks with random data (block size 16): what L2 and L3 store."""
+    import torch
+
+    from shared.engine.kv_block import KVBlock
+
+    gen = torch.Generator().manual_seed(seed)
+    parent, out = None, []
+    for i in range(n):
+        tokens = tuple(int(t) for t in torch.randint(0, 32000, (16,), generator=gen))
+        h = hashlib.sha256((parent or b"") + repr((seed, i, tokens)).encode()).digest()
+        out.append(KVBlock(h, parent, tokens, torch.randn((2, 2, 16, 2, 8), generator=gen)))
+        parent = h
+    return out
+
+
+def l3_store(s3_server, fingerprint: str, chunk_blocks: int = 2, ttl_s: int = 3600):
+    """An L3Store on a bucket of its own."""
+    import uuid
+
+    from shared.tiers.l3_store import L3Store
+    from shared.tiers.s3_client import fast_fail_client
+
+    client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    store = L3Store(client, f"ev-{uuid.uuid4().hex[:12]}", fingerprint, chunk_blocks=chunk_blocks, ttl_s=ttl_s)
+    store.ensure_bucket()
+    return store

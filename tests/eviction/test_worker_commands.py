@@ -1,0 +1,114 @@
+"""The worker-side CommandHandler on a real tiny Engine (on its EngineLoop thread), a HostTier and real S3.
+
+Blocks move as told (L1 -> L2, L2 -> L3, L3 -> L2 by warm-up), blocks in use
+or pinned stay, and a later request served from the moved blocks produces
+the same greedy tokens as a cold recompute (cache transparency).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.cache_policy.registry import get_policy
+from shared.config import EngineSettings
+from shared.engine.engine import Engine
+from shared.engine.loader import load_model
+from shared.engine.presets import write_preset
+from shared.engine.sampling import SamplingParams
+from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
+from shared.eviction.worker_commands import CommandHandler
+from shared.serving.engine_loop import EngineLoop
+from shared.tiers.block_format import encode_kv_block
+from shared.tiers.l2_host import HostTier
+from shared.tiers.miss import Tier
+
+from .helpers import l3_store
+
+BS = 8
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(4 * BS)]  # 4 full blocks; the output never fills a 5th
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(write_preset(tmp_path_factory.mktemp("evict-tiny"), "tiny", "llama", seed=0))
+
+
+@pytest.fixture
+async def worker(loaded):
+    engine = Engine(loaded, EngineSettings(block_size=BS, num_blocks=64))
+    loop = EngineLoop(engine)
+    loop.start()
+    l2 = HostTier(1 << 26, get_policy("lru"), loaded.fingerprint, "w-test")
+    try:
+        yield engine, loop, l2
+    finally:
+        loop.stop()
+        l2.close()
+
+
+def cmd(command) -> WorkerCommand:
+    return WorkerCommand(worker="w-test", command_id="c1", command=command)
+
+
+def cold_tokens(loaded) -> list[int]:
+    return Engine(loaded, EngineSettings(block_size=BS, num_blocks=64)).generate([PROMPT], PARAMS)[0].token_ids
+
+
+async def test_demote_l1_to_l2_then_same_tokens_from_l2(worker, loaded) -> None:
+    engine, loop, l2 = worker
+    first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    hashes = engine.block_hashes(PROMPT)
+    assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == len(PROMPT)
+    handler = CommandHandler(loop, l2)
+    res = await handler.apply(cmd(Demote(hashes=[h.hex() for h in hashes], src=Tier.L1)))
+    assert res.moved == 4 and res.skipped == 0
+    assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == 0
+    assert all(h in l2 for h in hashes)
+    # The next turn loads its prefix from L2 (as a prefill worker does) and must answer the same.
+    blocks = [l2.get(h).to_kv_block() for h in hashes]
+    assert await loop.call(lambda e: e.import_blocks(blocks)) == 4
+    again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    assert again.cached_tokens == len(PROMPT) - BS  # all but the last block (its last token is recomputed)
+    assert again.token_ids == first.token_ids == cold_tokens(loaded)
+
+
+async def test_blocks_in_use_or_pinned_stay_in_l1(worker) -> None:
+    engine, loop, l2 = worker
+    await loop.call(lambda e: e.generate([PROMPT], PARAMS))
+    hashes = engine.block_hashes(PROMPT)
+    import time
+
+    assert await loop.call(lambda e: e.pin(hashes[:3], time.time() + 60)) == 3
+    handler = CommandHandler(loop, l2)
+    res = await handler.demote(hashes, Tier.L1)
+    # Only the unpinned leaf leaves; the pinned ones (held by a reference) stay where they are.
+    assert res.moved == 1 and res.skipped == 3
+    assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == 3 * BS
+    # Dropping a parent whose child is cached is refused too (leaf-first).
+    assert (await handler.drop(hashes[:1], Tier.L1)).dropped == 0
+
+
+async def test_l2_to_l3_then_warm_back_and_same_tokens(worker, loaded, s3_server) -> None:
+    engine, loop, l2 = worker
+    first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    hashes = engine.block_hashes(PROMPT)
+    exported = await loop.call(lambda e: e.export_blocks(hashes))
+    store = l3_store(s3_server, loaded.fingerprint, chunk_blocks=2)
+    handles = store.put_chain("shared", [encode_kv_block(kb, loaded.fingerprint) for kb in exported])
+    for kb in exported:
+        l2.put_block(kb)
+    handler = CommandHandler(loop, l2, store)
+    l2.pin(hashes[0], l2.clock() + 60)
+    res = await handler.apply(cmd(Demote(hashes=[h.hex() for h in hashes], src=Tier.L2)))
+    assert res.moved == 3 and res.skipped == 1 and hashes[0] in l2  # the pinned one stays
+    assert (await handler.apply(cmd(Drop(hashes=[h.hex() for h in hashes], tier=Tier.L1)))).dropped == 4
+    assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == 0
+    keys = sorted({h.object_key for h in handles})
+    res = await handler.apply(cmd(Warm(keys=[*keys, keys[0][:-4] + "0000"])))  # one key L3 lacks
+    assert res.warmed == 3 and res.skipped == 2  # 3 came back; the pinned one was there; one chunk absent
+    assert all(h in l2 for h in hashes)
+    blocks = [l2.get(h).to_kv_block() for h in hashes]
+    assert await loop.call(lambda e: e.import_blocks(blocks)) == 4
+    again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids == cold_tokens(loaded)
