@@ -1,0 +1,122 @@
+"""The eviction service end to end on a real nats-server (and S3 for warm-up): events in, commands out.
+
+A worker's real `KVEventPublisher` reports blocks; the service sends demote
+advice to the over-full worker's `commands(worker)` subject (stream
+COMMANDS); a pin request keeps a chain out of the advice; a new worker's
+heartbeat brings a `Warm` listing the hottest L3 chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+from bus.helpers import FAST_BUS, connected, eventually, unique
+
+from shared.bus.publish import Publisher
+from shared.bus.request import request, serve
+from shared.config import EvictionSettings, IndexSettings
+from shared.eviction.messages import Demote, PinReply, PinRequest, Warm, WorkerCommand
+from shared.eviction.service import EvictionService
+from shared.kv_events.publisher import KVEventPublisher
+from shared.protocol import subjects
+from shared.protocol.messages import Heartbeat, Role
+from shared.protocol.streams import COMMANDS
+from shared.tiers.block_format import encode_kv_block
+from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import Tier
+
+from .helpers import chain, kv_chain, l3_store
+
+SETTINGS = EvictionSettings(tick_s=0.1, high_water=0.9, low_water=0.5, gc_interval_s=3600)
+
+
+@asynccontextmanager
+async def service(url: str, l1_capacity: int, l3: L3Store | None = None):
+    async with connected(url, "eviction") as nc:
+        svc = EvictionService(nc, nc.jetstream(), Publisher(nc.jetstream(), FAST_BUS), SETTINGS, l1_capacity, l3)
+        await svc.start()
+        responder = await serve(nc, subjects.EVICTION_PIN, PinRequest, svc.pin, queue="eviction")
+        try:
+            yield svc
+        finally:
+            await responder.drain()
+            await svc.stop()
+
+
+@asynccontextmanager
+async def worker_events(url: str, worker: str):
+    async with connected(url, worker) as nc:
+        pub = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), worker, IndexSettings(flush_interval_s=0.01))
+        await pub.start(nc)
+        try:
+            yield pub
+        finally:
+            await pub.stop()
+
+
+async def next_command(nc, worker: str, timeout_s: float = 10.0) -> WorkerCommand:
+    sub = await nc.jetstream().pull_subscribe(subjects.commands(worker), durable=unique("cmd"), stream=COMMANDS.name)
+    msgs = await sub.fetch(1, timeout=timeout_s)
+    await msgs[0].ack()
+    return WorkerCommand.from_bytes(msgs[0].data)
+
+
+async def test_over_full_worker_gets_demote_and_pins_protect(fresh_nats_server) -> None:
+    url = fresh_nats_server.url
+    w1, w2 = unique("w"), unique("w")
+    a, b, c = chain(6, "a"), chain(6, "b"), chain(4, "c")
+    async with service(url, l1_capacity=10) as svc, connected(url, "test") as nc:
+        reply = await request(nc, subjects.EVICTION_PIN, PinRequest(hashes=[h.hex() for h in b], ttl_s=60),
+                              PinReply, timeout_s=5)
+        assert reply.pinned == 6 and reply.until > time.time() + 50
+        async with worker_events(url, w1) as p1, worker_events(url, w2) as p2:
+            p1.stored(a, Tier.L1, tokens_per_block=16)
+            p1.stored(c, Tier.L1, tokens_per_block=16)  # w1: 10 of 10 blocks: over 0.9
+            p2.stored(b, Tier.L1, tokens_per_block=16)
+            p2.stored(c, Tier.L1, tokens_per_block=16)  # w2: 10 blocks too, but chain b is pinned
+            await p1.flushed()
+            await p2.flushed()
+            got1 = await next_command(nc, w1)
+            got2 = await next_command(nc, w2)
+    assert isinstance(got1.command, Demote) and got1.command.src is Tier.L1 and got1.worker == w1
+    out1 = [bytes.fromhex(h) for h in got1.command.hashes]
+    assert len(out1) == 10 - 5 and len(set(out1)) == 5
+    assert set(out1) <= set(a) | set(c)
+    for chain_ in (a, c):  # leaf-first: what leaves of a chain is its tail
+        kept = [h for h in chain_ if h not in out1]
+        assert kept == chain_[:len(kept)]
+    out2 = [bytes.fromhex(h) for h in got2.command.hashes]
+    # Only chain c can go on w2: 4 of the 5 wanted, never a pinned block of b.
+    assert set(out2) == set(c) and not set(out2) & set(b)
+    assert svc.advisor.policy.name == "cost"
+
+
+async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server, s3_server) -> None:
+    url = fresh_nats_server.url
+    fp = "fp-warm-0123"
+    store = l3_store(s3_server, fp, chunk_blocks=2)
+    cold, hot = kv_chain(4, seed=7), kv_chain(4, seed=8)
+    keys = {}
+    for name, blocks in (("cold", cold), ("hot", hot)):
+        handles = store.put_chain("shared", [encode_kv_block(kb, fp) for kb in blocks])
+        keys[name] = [h.object_key for h in handles][1::2]  # one key per chunk of 2
+    gc_view = L3Store(store.client, store.bucket, fingerprint="")  # the service GCs every model's chunks
+    newcomer, busy = unique("w"), unique("w")
+    async with service(url, l1_capacity=1000, l3=gc_view) as svc, connected(url, "test") as nc:
+        async with worker_events(url, busy) as pub:
+            for _ in range(5):  # another worker keeps storing the hot prompt's blocks: it is reused
+                pub.stored([kb.block_hash for kb in hot], Tier.L2, tokens_per_block=16)
+            await pub.flushed()
+        last = hot[-1].block_hash
+        await eventually(lambda: last in svc.view.stats and svc.view.stats[last].access_count == 5, 10,
+                         "the service applied the hot prompt's events")
+        hb = Heartbeat(worker_id=newcomer, role=Role.DECODE, load=0.0, capacity=1.0, started_at=datetime.now(UTC),
+                       http_endpoint="http://127.0.0.1:1", seq=1, ttl_s=30.0)
+        await nc.jetstream().publish(subjects.heartbeat_key(newcomer), hb.to_bytes())
+        got = await next_command(nc, newcomer)
+    assert isinstance(got.command, Warm)
+    assert set(got.command.keys) == {*keys["cold"], *keys["hot"]}
+    assert set(got.command.keys[:2]) == set(keys["hot"])  # hottest first
+    assert svc.l3_objects
