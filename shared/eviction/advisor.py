@@ -10,8 +10,9 @@ would lose them).
 
 from __future__ import annotations
 
-import xxhash
 from dataclasses import dataclass, field
+
+import xxhash
 
 from shared.cache_policy.base import EvictionPolicy
 from shared.config import EvictionSettings

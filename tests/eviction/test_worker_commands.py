@@ -7,6 +7,8 @@ the same greedy tokens as a cold recompute (cache transparency).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shared.cache_policy.registry import get_policy
@@ -77,8 +79,6 @@ async def test_blocks_in_use_or_pinned_stay_in_l1(worker) -> None:
     engine, loop, l2 = worker
     await loop.call(lambda e: e.generate([PROMPT], PARAMS))
     hashes = engine.block_hashes(PROMPT)
-    import time
-
     assert await loop.call(lambda e: e.pin(hashes[:3], time.time() + 60)) == 3
     handler = CommandHandler(loop, l2)
     res = await handler.demote(hashes, Tier.L1)
