@@ -121,7 +121,11 @@ class EvictionService:
         if self.l3 is None:
             return None
         if not self.l3_objects:
-            self.l3_objects = await asyncio.to_thread(scan, self.l3)
+            try:
+                self.l3_objects = await asyncio.to_thread(scan, self.l3)
+            except Exception as exc:  # noqa: BLE001 - L3 down or no bucket yet: no warm-up (degrade, don't fail)
+                log.warning("L3 scan for warm-up failed", error=repr(exc))
+                return None
         keys = plan_warm(self.l3_objects, self.policy, time.time(), self.settings.warm_max_chunks,
                          self.view.stats.get)
         if not keys:

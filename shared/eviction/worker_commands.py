@@ -6,7 +6,7 @@
 - demote L2 -> L3: drop the L2 copy (the service sends this only for blocks
   L3 holds: uploads already wrote them); pinned L2 blocks stay;
 - drop: forget the blocks in L1 or L2;
-- warm: fetch chunk objects from L3 into L2 (verified on read).
+- warm: fetch chunk objects of this worker's model from L3 into L2 (verified on read).
 
 Every action is idempotent (a block no longer where the command says is
 skipped), so a redelivered command is harmless. The engine runs on its own
@@ -85,7 +85,11 @@ class CommandHandler:
         if self.l3 is None:
             res.skipped = len(keys)
             return res
+        mine = f"{self.l3.fingerprint}/"
         for key in keys:
+            if not key.startswith(mine):  # another model's chunk (the service ranks every model's)
+                res.skipped += 1
+                continue
             chunk = await asyncio.to_thread(self.l3.get_chunk, key)
             if isinstance(chunk, Miss):
                 res.skipped += 1
