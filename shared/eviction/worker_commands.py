@@ -10,7 +10,8 @@
 
 Every action is idempotent (a block no longer where the command says is
 skipped), so a redelivered command is harmless. The engine runs on its own
-thread; everything here runs on the worker's event loop.
+thread; everything here runs on the worker's event loop. Wiring in a worker
+service: ``ctx.add_consumer(command_consumer(ctx.worker_id), handler.on_message)``.
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from nats.aio.msg import Msg
+
 from shared.engine.engine import Engine
 from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
 from shared.kv_events.publisher import KVEventPublisher
+from shared.protocol import subjects
+from shared.protocol.streams import COMMANDS, ConsumerSpec, worker_consumer
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Miss, Tier
 
 T = TypeVar("T")
+
+
+def command_consumer(worker_id: str) -> ConsumerSpec:
+    """The worker's durable consumer of its own commands (stream COMMANDS)."""
+    return worker_consumer(COMMANDS, "cmd", worker_id, subjects.commands(worker_id))
 
 
 class EngineCaller(Protocol):
@@ -51,6 +61,10 @@ class CommandHandler:
     l3: L3Store | None = None
     events: KVEventPublisher | None = None
     applied: CommandResult = field(default_factory=CommandResult)  # running totals, for metrics and tests
+
+    async def on_message(self, msg: Msg) -> None:
+        """A `ConsumerLoop` handler: undecodable bytes are permanent (dead-lettered), the rest is applied."""
+        await self.apply(WorkerCommand.from_bytes(msg.data))
 
     async def apply(self, msg: WorkerCommand) -> CommandResult:
         cmd = msg.command

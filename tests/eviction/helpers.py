@@ -1,10 +1,22 @@
-"""Shared helpers of the eviction tests: made-up chained hashes and their block stats."""
+"""Helpers of the eviction tests: made-up chains (hashes, stats, KV blocks), an L3 store, the engine prompt."""
 
 from __future__ import annotations
 
 import hashlib
+import uuid
+
+import torch
 
 from shared.cache_policy.base import BlockInfo
+from shared.engine.kv_block import KVBlock
+from shared.engine.sampling import SamplingParams
+from shared.tiers.l3_store import L3Store
+from shared.tiers.s3_client import fast_fail_client
+
+# The engine tests' prompt: 4 full blocks of 8; 5 greedy tokens never fill a 5th block.
+BS = 8
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(4 * BS)]
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 
 
 def chain(n: int, salt: str) -> list[bytes]:
@@ -23,10 +35,6 @@ def infos(hashes: list[bytes], last_access: float = 0.0, step: float = 1.0) -> d
 
 def kv_chain(n: int, seed: int = 0):
     """`n` chained KVBlocks with random data (block size 16): what L2 and L3 store."""
-    import torch
-
-    from shared.engine.kv_block import KVBlock
-
     gen = torch.Generator().manual_seed(seed)
     parent, out = None, []
     for i in range(n):
@@ -39,12 +47,8 @@ def kv_chain(n: int, seed: int = 0):
 
 def l3_store(s3_server, fingerprint: str, chunk_blocks: int = 2, ttl_s: int = 3600):
     """An L3Store on a bucket of its own."""
-    import uuid
-
-    from shared.tiers.l3_store import L3Store
-    from shared.tiers.s3_client import fast_fail_client
-
     client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     store = L3Store(client, f"ev-{uuid.uuid4().hex[:12]}", fingerprint, chunk_blocks=chunk_blocks, ttl_s=ttl_s)
     store.ensure_bucket()
     return store
+

@@ -14,9 +14,6 @@ import pytest
 from shared.cache_policy.registry import get_policy
 from shared.config import EngineSettings
 from shared.engine.engine import Engine
-from shared.engine.loader import load_model
-from shared.engine.presets import write_preset
-from shared.engine.sampling import SamplingParams
 from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
 from shared.eviction.worker_commands import CommandHandler
 from shared.serving.engine_loop import EngineLoop
@@ -24,16 +21,7 @@ from shared.tiers.block_format import encode_kv_block
 from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Tier
 
-from .helpers import l3_store
-
-BS = 8
-PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
-PROMPT = [(7 * i + 3) % 500 + 5 for i in range(4 * BS)]  # 4 full blocks; the output never fills a 5th
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory):
-    return load_model(write_preset(tmp_path_factory.mktemp("evict-tiny"), "tiny", "llama", seed=0))
+from .helpers import BS, PARAMS, PROMPT, l3_store
 
 
 @pytest.fixture
