@@ -247,8 +247,20 @@ class Engine:
         return export_blocks(self.cache, self.kv_cache, hashes)
 
     def drop_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Uncache those of `hashes` that are unreferenced leaves (tail first, so a chain goes leaf-first)."""
-        return [h for h in reversed(hashes) if self.cache.drop(h)]
+        """Uncache those of `hashes` that are, or become once their dropped children are gone, unreferenced leaves.
+
+        Any order: passes repeat while one makes progress. Returns the dropped hashes in drop order.
+        """
+        dropped: list[BlockHash] = []
+        pending = list(hashes)
+        while pending:
+            left = []
+            for h in pending:
+                (dropped if self.cache.drop(h) else left).append(h)
+            if len(left) == len(pending):
+                break
+            pending = left
+        return dropped
 
     def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "") -> int:
         """Insert a verified chain of blocks into pool + prefix cache; returns how many were newly inserted.

@@ -1,0 +1,63 @@
+"""Advice obeyed end to end: a real worker (Engine on its EngineLoop, HostTier, KV events, a ConsumerLoop on
+its COMMANDS subject) fills its L1 past the high-water mark; the service's demote reaches it over NATS; the
+blocks move to L2; the worker's own events tell the service, which then stops advising."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus.helpers import FAST_BUS, connected, eventually, unique
+
+from shared.bus.consumer import ConsumerLoop
+from shared.bus.publish import Publisher
+from shared.cache_policy.registry import get_policy
+from shared.config import EngineSettings, IndexSettings
+from shared.engine.engine import Engine
+from shared.eviction.worker_commands import CommandHandler, command_consumer
+from shared.kv_events.publisher import KVEventPublisher
+from shared.metrics import ServiceMetrics
+from shared.serving.engine_loop import EngineLoop
+from shared.tiers.l2_host import HostTier
+from shared.tiers.miss import Tier
+
+from .helpers import BS, PARAMS, PROMPT
+from .test_service import service
+
+
+async def test_demote_advice_moves_a_real_workers_blocks(fresh_nats_server, loaded) -> None:
+    url, worker = fresh_nats_server.url, unique("w")
+    async with connected(url, worker) as nc:
+        js, metrics = nc.jetstream(), ServiceMetrics.create("test")
+        pub = Publisher(js, FAST_BUS, metrics)
+        events = KVEventPublisher(pub, worker, IndexSettings(flush_interval_s=0.01))
+        await events.start(nc)
+        engine = Engine(loaded, EngineSettings(block_size=BS, num_blocks=64), listener=events)
+        loop = EngineLoop(engine)
+        loop.start()
+        l2 = HostTier(1 << 26, get_policy("lru"), loaded.fingerprint, worker)
+        handler = CommandHandler(loop, l2, None, events)
+        consumer = ConsumerLoop(js, command_consumer(worker), handler.on_message, pub, metrics, FAST_BUS, 2.0)
+        task = asyncio.create_task(consumer.run())
+        try:
+            await consumer.wait_ready()
+            async with service(url, l1_capacity=4) as svc:  # 4 blocks > 0.9 x 4: demote down to 2
+                first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+                await eventually(lambda: handler.applied.moved == 2, 15, "the worker applied the advice")
+                hashes = engine.block_hashes(PROMPT)
+                assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == 2 * BS
+                assert [h in l2 for h in hashes] == [False, False, True, True]  # the tail left, leaf-first
+
+                def settled() -> bool:
+                    occ = svc.view.workers.get(worker)
+                    return occ is not None and occ.count(Tier.L1) == 2 and occ.count(Tier.L2) == 2
+                await eventually(settled, 10, "the worker's events reached the service")
+                await asyncio.sleep(3 * svc.settings.tick_s)
+                assert handler.applied.moved == 2 and len(svc.sent) == 1  # below high water: no more advice
+            again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+            assert again.token_ids == first.token_ids and again.cached_tokens == 2 * BS
+        finally:
+            consumer.stop()
+            await task
+            loop.stop()
+            await events.stop()
+            l2.close()
