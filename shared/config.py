@@ -11,6 +11,7 @@ reads the environment anywhere else.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -142,6 +143,17 @@ class IngressSettings(BaseModel):
     max_attempts: int = 3  # prefill retries + decode migrations per request
     request_deadline_s: float = 600.0
     assistant_memory: int = 4096  # per tenant: assistant texts whose generated ids are spliced back into prompts
+    # cache-aware prefill routing (shared/ingress/routing_cost.py): seconds per block to bring a cached block in
+    routing: Literal["cost", "load", "round_robin"] = "cost"  # "cost" (prefix + load), "load" (least loaded), "round_robin" (tests, benchmarks)
+    index_timeout_s: float = 0.05  # cache-index lookup; no answer by then -> route by load (counted as degraded)
+    prefill_s_per_token: float = 2e-4  # prior prefill rate until a worker's own is measured (EWMA of TTFT/token)
+    prefill_rate_alpha: float = 0.2
+    queue_s_per_request: float = 0.05  # a request already running on the worker
+    fetch_l2_s_per_block: float = 2e-4  # own host memory -> pool
+    fetch_peer_s_per_block: float = 2e-3  # another worker's L1/L2 over peer fetch
+    fetch_l3_s_per_block: float = 8e-3  # object storage
+    affinity_bonus_s: float = 0.02  # the session/prompt_cache_key home's cost is lowered by this (a bonus, no veto)
+    load_bound: float = 1.5  # bounded load: no worker above load_bound x the average in-flight (+1) per worker
 
 
 class IndexSettings(BaseModel):

@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from shared.bus.publish import Publisher
 from shared.config import IngressSettings
 from shared.ingress.errors import ErrorKind
+from shared.ingress.prefix_locator import PrefixLocator
 from shared.ingress.router import Router, WorkerTable
 from shared.protocol.messages import Role
 from shared.protocol.serving import CachePin, SamplingSpec, TokenEvent
@@ -93,10 +94,12 @@ class Gateway:
     """Runs requests over the bus; one per ingress process."""
 
     def __init__(self, nc: NATS, publisher: Publisher, table: WorkerTable, settings: IngressSettings,
-                 detokenize: Callable[[Sequence[int]], str], on_retry: Callable[[], None] = lambda: None) -> None:
+                 detokenize: Callable[[Sequence[int]], str], on_retry: Callable[[], None] = lambda: None,
+                 locator: PrefixLocator | None = None) -> None:
         self.nc, self.publisher, self.table, self.settings = nc, publisher, table, settings
         self.on_retry = on_retry  # counts prefill retries and decode migrations
-        self.router = Router(table, settings.worker_overload_factor)
+        self.router = Router.of(table, settings)
+        self.locator = locator  # None: prefill is routed by load and affinity only
         self.detokenize = detokenize  # text of a partly duplicated event's new tokens
         self.in_flight = 0
 

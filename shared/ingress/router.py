@@ -8,17 +8,28 @@ the rendezvous-hash winner among live workers, so the same conversation
 lands where its KV cache is and only keys of a departed worker move, unless
 that worker is overloaded (score above `overload_factor`): then it falls
 back to the least loaded, a guard against piling one hot key onto one worker.
+
+Prefill with a cache-index answer (`pick_prefill`) minimises the cost of
+shared/ingress/routing_cost.py (uncached tokens x measured rate + queue +
+fetch), among workers under a bounded-load cap (`load_bound` x the average
+load per worker, +1: consistent hashing with bounded loads), with the
+affinity home's cost lowered by `affinity_bonus_s`. Decode goes by load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 
+from shared.cache_index.messages import LookupReply
+from shared.config import IngressSettings
+from shared.ingress.prefill_rates import PrefillRates
+from shared.ingress.routing_cost import FetchCosts, placement, prefill_cost
 from shared.log import get_logger
 from shared.protocol.messages import Heartbeat, Role
 from shared.service.watch import Change, WorkerChange, watch_workers
@@ -33,7 +44,10 @@ class WorkerView:
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when its heartbeat is withdrawn or expires
 
     def score(self) -> float:
-        return (self.heartbeat.load + self.in_flight) / max(self.heartbeat.capacity, 1.0)
+        return self.queued() / max(self.heartbeat.capacity, 1.0)
+
+    def queued(self) -> float:
+        return self.heartbeat.load + self.in_flight
 
 
 class WorkerTable:
@@ -117,6 +131,17 @@ def home(key: str, workers: Iterable[str]) -> str:
 class Router:
     table: WorkerTable
     overload_factor: float = 2.0
+    mode: str = "cost"  # IngressSettings.routing
+    costs: FetchCosts = field(default_factory=FetchCosts)
+    rates: PrefillRates = field(default_factory=PrefillRates)
+    affinity_bonus_s: float = 0.02
+    load_bound: float = 1.5
+    _turn: int = 0  # round_robin position
+
+    @classmethod
+    def of(cls, table: WorkerTable, s: IngressSettings) -> Router:
+        return cls(table, s.worker_overload_factor, s.routing, FetchCosts.of(s),
+                   PrefillRates(s.prefill_s_per_token, s.prefill_rate_alpha), s.affinity_bonus_s, s.load_bound)
 
     def pick(self, role: Role, affinity_key: str | None = None, exclude: Iterable[str] = ()) -> str | None:
         """A live worker of `role` not in `exclude` (or None); see the module docstring for the rule."""
@@ -124,6 +149,9 @@ class Router:
         candidates = [w for w in self.table.live(role) if w not in skip]
         if not candidates:
             return None
+        if self.mode == "round_robin":
+            self._turn += 1
+            return candidates[self._turn % len(candidates)]
         views = {w: self.table.view(w) for w in candidates}
         if affinity_key:
             preferred = home(affinity_key, candidates)
@@ -131,3 +159,26 @@ class Router:
             if view is not None and view.score() <= self.overload_factor:
                 return preferred
         return min(candidates, key=lambda w: (views[w].score() if views[w] else 0.0, w))
+
+    def pick_prefill(self, prompt_tokens: int, block_size: int, reply: LookupReply | None,
+                     affinity_key: str | None = None, exclude: Iterable[str] = ()) -> str | None:
+        """The prefill worker of least cost under the load cap; by load (`pick`) without an index answer."""
+        if reply is None or self.mode != "cost":
+            return self.pick(Role.PREFILL, affinity_key, exclude)
+        skip = set(exclude)
+        views = {w: v for w in self.table.live(Role.PREFILL) if w not in skip and (v := self.table.view(w))}
+        if not views:
+            return None
+        self.rates.forget(set(self.table.live(Role.PREFILL)))
+        cap = math.ceil(self.load_bound * (sum(v.queued() for v in views.values()) + 1) / len(views))
+        eligible = [w for w, v in views.items() if v.queued() + 1 <= cap and v.score() <= self.overload_factor]
+        eligible = eligible or [min(views, key=lambda w: (views[w].score(), w))]
+        preferred = home(affinity_key, list(views)) if affinity_key else None
+        total_blocks = prompt_tokens // block_size
+
+        def cost(w: str) -> tuple[float, str]:
+            c = prefill_cost(prompt_tokens, block_size, placement(reply, w, total_blocks), self.rates.rate(w),
+                             views[w].queued(), self.costs)
+            return (c - (self.affinity_bonus_s if w == preferred else 0.0), w)
+
+        return min(eligible, key=cost)

@@ -25,6 +25,7 @@ from shared.ingress.auth import KeyRing
 from shared.ingress.gateway import Gateway
 from shared.ingress.limits import RateLimiter
 from shared.ingress.metrics import IngressMetrics
+from shared.ingress.prefix_locator import PrefixLocator, model_fingerprint
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.router import WorkerTable
 from shared.log import get_logger
@@ -72,7 +73,10 @@ async def setup(ctx: ServiceContext) -> None:
     table = WorkerTable()
     watch = asyncio.create_task(table.run(ctx.js))
     metrics = IngressMetrics.create(ctx.metrics.registry)
-    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc)
+    fingerprint = await asyncio.to_thread(model_fingerprint, model_dir, settings.engine.dtype)
+    locator = PrefixLocator.create(ctx.nc, fingerprint, settings.engine.block_size, settings.ingress.index_timeout_s,
+                                   ctx.metrics.registry)
+    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator)
     state = build_state(settings, gateway, tokenizer, metrics, model_dir)
     app = create_app(state, ctx.metrics.registry)
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,

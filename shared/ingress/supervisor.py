@@ -49,7 +49,8 @@ class Stage(StrEnum):
 
 class RequestRun:
     __slots__ = ("gw", "req", "usage", "attempt", "stage", "prefill_worker", "decode_worker", "next_seq",
-                 "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline", "_progress")
+                 "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline", "_progress",
+                 "_prefill_sent")
 
     def __init__(self, gw: Gateway, req: GenerationRequest, usage: Usage) -> None:
         self.gw, self.req, self.usage = gw, req, usage
@@ -66,6 +67,7 @@ class RequestRun:
         self._held: list[str] = []  # workers whose in-flight count this run holds
         self._deadline = time.time() + gw.settings.request_deadline_s
         self._progress = time.monotonic()  # when the current attempt last delivered (or started)
+        self._prefill_sent = 0.0  # when the current PrefillJob was published: seq 0 measures the worker's rate
 
     # --- lifecycle -------------------------------------------------------
 
@@ -177,6 +179,8 @@ class RequestRun:
         self.next_seq += len(new)
         if self.stage is Stage.PREFILL:
             self.stage = Stage.DECODE
+            self.gw.router.rates.observe(self.prefill_worker, time.monotonic() - self._prefill_sent,
+                                         self.usage.prompt_tokens - self.usage.cached_tokens)
         return event
 
     # --- recovery --------------------------------------------------------
@@ -193,9 +197,18 @@ class RequestRun:
             raise GatewayError(ErrorKind.OVERLOADED, f"no live {role} worker")
         return worker
 
+    async def _choose_prefill(self, exclude: tuple[str, ...]) -> str:
+        """Where the prompt's prefix is cheapest to extend (cache index), else by load; see router.py."""
+        if self.gw.locator is None:
+            return self._choose(Role.PREFILL, exclude)
+        req, block_size = self.req, self.gw.locator.block_size
+        reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt)
+        worker = self.gw.router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
+        return worker or self._choose(Role.PREFILL, exclude)
+
     async def _start_prefill(self, exclude: tuple[str, ...]) -> None:
         req = self.req
-        self.prefill_worker = self._choose(Role.PREFILL, exclude)
+        self.prefill_worker = await self._choose_prefill(exclude)
         if not self.decode_worker or self.gw.table.gone(self.decode_worker).is_set():
             self.decode_worker = self._choose(Role.DECODE, ())
             self._hold(self.decode_worker)
@@ -205,6 +218,7 @@ class RequestRun:
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
                          prefill_only=req.prefill_only, deadline=self._deadline)
         self.usage.prefill_worker, self.usage.decode_worker = self.prefill_worker, self.decode_worker
+        self._prefill_sent = time.monotonic()
         await self._publish(subjects.jobs_prefill(self.prefill_worker), job)
 
     async def _migrate(self) -> None:

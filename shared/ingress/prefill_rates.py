@@ -1,0 +1,35 @@
+"""Each prefill worker's measured prefill rate (seconds per uncached token), as an EWMA.
+
+The ingress measures it itself: from publishing a PrefillJob to its seq-0
+event (what the client sees as TTFT on that worker), divided by the tokens
+the worker had to compute (prompt - cached, as seq 0 reports). That time
+includes the worker's queue, which is the point: a slow or busy worker
+looks slow. A worker never observed uses `prior_s_per_token`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefillRates:
+    prior_s_per_token: float = 2e-4
+    alpha: float = 0.2  # weight of the newest observation
+    min_tokens: int = 16  # shorter prefills are dominated by fixed overhead: not a rate sample
+    _rates: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, worker: str, seconds: float, uncached_tokens: int) -> None:
+        if uncached_tokens < self.min_tokens or seconds <= 0:
+            return
+        sample = seconds / uncached_tokens
+        old = self._rates.get(worker)
+        self._rates[worker] = sample if old is None else old + self.alpha * (sample - old)
+
+    def rate(self, worker: str) -> float:
+        return self._rates.get(worker, self.prior_s_per_token)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the rates of workers no longer live (a restarted id starts from the prior again)."""
+        for worker in set(self._rates) - keep:
+            del self._rates[worker]

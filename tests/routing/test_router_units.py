@@ -1,0 +1,98 @@
+"""Router.pick_prefill on a WorkerTable fed real Heartbeat messages; the ingress's fingerprint."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from shared.cache_index.messages import LookupReply, TierRun, WorkerMatch
+from shared.config import IngressSettings
+from shared.engine.block_hash import HashKeys, hash_blocks
+from shared.engine.loader import load_model
+from shared.engine.presets import write_preset
+from shared.ingress.prefill_rates import PrefillRates
+from shared.ingress.prefix_locator import model_fingerprint
+from shared.ingress.router import Router, WorkerTable, home
+from shared.protocol.messages import Heartbeat, Role
+from shared.service.watch import Change, WorkerChange
+from shared.tiers.miss import Tier
+
+BLOCK = 16
+
+
+def table_of(loads: dict[str, float]) -> WorkerTable:
+    table = WorkerTable()
+    for w, load in loads.items():
+        hb = Heartbeat(worker_id=w, role=Role.PREFILL, load=load, capacity=8, started_at=datetime.now(UTC),
+                       http_endpoint="http://127.0.0.1:1", seq=0, ttl_s=2)
+        table.apply(WorkerChange(Change.UP, w, hb))
+    return table
+
+
+def held_by(worker: str, blocks: int, tier: Tier = Tier.L1) -> LookupReply:
+    return LookupReply(workers=[WorkerMatch(worker=worker, blocks=blocks, runs=[TierRun(tier=tier, blocks=blocks)])],
+                       l3_blocks=0, indexed_blocks=blocks, ready=True)
+
+
+def test_the_prefix_holder_wins_over_a_less_loaded_worker():
+    router = Router.of(table_of({"p1": 1, "p2": 0}), IngressSettings())
+    assert router.pick_prefill(40 * BLOCK, BLOCK, held_by("p1", 40)) == "p1"
+    assert router.pick_prefill(40 * BLOCK, BLOCK, held_by("p2", 40)) == "p2"
+    assert router.pick_prefill(40 * BLOCK, BLOCK, held_by("p1", 0 + 1)) == "p2"  # 1 block: load decides
+
+
+def test_bounded_load_guard_moves_a_hot_prefix_off_its_holder():
+    table = table_of({"p1": 0, "p2": 0})
+    router = Router.of(table, IngressSettings(load_bound=1.5))
+    picks = []
+    for _ in range(6):
+        w = router.pick_prefill(40 * BLOCK, BLOCK, held_by("p1", 40))
+        picks.append(w)
+        table.acquire(w)  # the request stays in flight
+    assert picks[:2] == ["p1", "p1"] and "p2" in picks
+    assert table.view("p1").in_flight <= 1.5 * (6 + 1) / 2 + 1
+
+
+def test_affinity_is_a_bonus_not_a_veto():
+    table = table_of({"p1": 0, "p2": 0})
+    key = "sess-7"
+    router = Router.of(table, IngressSettings())
+    other = "p2" if home(key, ["p1", "p2"]) == "p1" else "p1"
+    assert router.pick_prefill(40 * BLOCK, BLOCK, held_by(other, 40), affinity_key=key) == other
+    assert router.pick_prefill(2 * BLOCK, BLOCK, held_by(other, 0 + 1), affinity_key=key) == home(key, ["p1", "p2"])
+
+
+def test_without_an_index_answer_it_routes_by_load_and_a_slow_worker_is_avoided():
+    router = Router.of(table_of({"p1": 3, "p2": 0}), IngressSettings())
+    assert router.pick_prefill(40 * BLOCK, BLOCK, None) == "p2"
+    rates = PrefillRates(prior_s_per_token=1e-4)
+    router = Router.of(table_of({"p1": 0, "p2": 0}), IngressSettings())
+    router.rates = rates
+    rates.observe("p1", 1.0, 100)  # 10 ms/token measured: far slower than p2's prior
+    cold = LookupReply(workers=[], l3_blocks=0, indexed_blocks=0, ready=True)
+    assert router.pick_prefill(40 * BLOCK, BLOCK, cold) == "p2"
+
+
+def test_prefill_rates_ewma():
+    rates = PrefillRates(prior_s_per_token=1.0, alpha=0.5, min_tokens=4)
+    assert rates.rate("w") == 1.0
+    rates.observe("w", 2.0, 100)
+    rates.observe("w", 4.0, 100)
+    assert rates.rate("w") == pytest.approx(0.03)
+    rates.observe("w", 100.0, 2)  # too short to be a rate sample
+    assert rates.rate("w") == pytest.approx(0.03)
+    rates.forget({"x"})
+    assert rates.rate("w") == 1.0
+
+
+def test_ingress_fingerprint_and_hashes_match_the_loaded_model(tmp_path: Path):
+    model_dir = write_preset(tmp_path / "m", "tiny", "llama", seed=3)
+    loaded = load_model(model_dir)
+    assert model_fingerprint(model_dir) == loaded.fingerprint
+    assert model_fingerprint(model_dir, "bfloat16") == load_model(model_dir, "bfloat16").fingerprint
+    assert model_fingerprint(model_dir, "bfloat16") != loaded.fingerprint
+    ids = list(range(3, 3 + 5 * BLOCK))
+    assert hash_blocks(ids, BLOCK, HashKeys(model_fingerprint(model_dir), b"\x01")) == \
+        hash_blocks(ids, BLOCK, HashKeys(loaded.fingerprint, b"\x01"))
