@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
+from prometheus_client import CollectorRegistry
 
 from shared.bus.publish import Publisher
 from shared.cache_policy.registry import get_policy
@@ -28,6 +29,7 @@ from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
 from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan
 from shared.eviction.messages import PinReply, PinRequest, Warm, WorkerCommand
+from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
 from shared.eviction.pins import PinTable
 from shared.eviction.warmup import plan_warm
@@ -49,7 +51,7 @@ class EvictionService:
     """`start()`, then `pin` serves EVICTION_PIN; `stop()` ends its tasks. `l3=None`: no GC, no warm-up."""
 
     def __init__(self, nc: NATS, js: JetStreamContext, publisher: Publisher, settings: EvictionSettings,
-                 l1_capacity: int, l3: L3Store | None = None) -> None:
+                 l1_capacity: int, l3: L3Store | None = None, registry: CollectorRegistry | None = None) -> None:
         self.nc, self.js, self.publisher, self.settings, self.l3 = nc, js, publisher, settings, l3
         self.policy = get_policy(settings.policy)
         self.view = OccupancyView()
@@ -58,6 +60,9 @@ class EvictionService:
         self.l3_objects: list[L3Object] = []
         self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status
         self.deleted = 0
+        self.metrics = None if registry is None else EvictionMetrics.create(
+            registry, lambda: float(len(self.pins)), lambda: float(len(self.view.workers)),
+            lambda: float(len(self.l3_objects)))
         self._sub = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -109,6 +114,10 @@ class EvictionService:
             return info.access_count if info is not None else 1
         plan = await asyncio.to_thread(plan_gc, objects, limits, self.policy, now, pinned, accesses)
         self.deleted += await asyncio.to_thread(apply_gc, store, plan.keys)
+        if self.metrics is not None:
+            for reason, keys in (("expired", plan.expired), ("over_quota", plan.over_quota),
+                                 ("over_capacity", plan.over_capacity)):
+                self.metrics.l3_deleted.labels(reason).inc(len(keys))
         gone = set(plan.keys)
         self.l3_objects = [o for o in objects if o.key not in gone]
         if gone:
@@ -148,6 +157,8 @@ class EvictionService:
     async def _send(self, cmd: WorkerCommand) -> None:
         await self.publisher.publish(subjects.commands(cmd.worker), cmd, msg_id=cmd.command_id)
         self.sent = [*self.sent[-255:], cmd]
+        if self.metrics is not None:
+            self.metrics.commands.labels(cmd.command.kind).inc()
 
     async def _watch(self) -> None:
         while True:

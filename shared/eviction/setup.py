@@ -15,7 +15,7 @@ async def setup(ctx: ServiceContext) -> None:
     # No fingerprint: the service garbage-collects every model's chunks in the bucket.
     l3 = build_l3_store(s, "", s.engine.block_size, MissCounters())
     service = EvictionService(ctx.nc, ctx.js, ctx.publisher, s.eviction,
-                              s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3)
+                              s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry)
     await service.start()
     ctx.add_endpoint(subjects.EVICTION_PIN, PinRequest, service.pin)
     ctx.on_stop.append(service.stop)

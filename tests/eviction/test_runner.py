@@ -39,10 +39,17 @@ async def test_service_pins_and_collects_expired_l3_chunks(fresh_nats_server, s3
             await asyncio.wait_for(runner.wait_started(), 15)
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{runner.http_endpoint}/readyz")).status_code == 200
-            pin = PinRequest(hashes=[h.hex() for h in chain(3, "p")], ttl_s=5)
+            pin = PinRequest(hashes=[h.hex() for h in chain(3, "p")], ttl_s=120)
             assert (await request(nc, subjects.EVICTION_PIN, pin, PinReply, timeout_s=5)).pinned == 3
             await eventually(lambda: [o.key for o in scan(store)] == [kept[-1].object_key], 15,
                              "the expired chunk is deleted and the other kept")
+
+            async def counted() -> bool:
+                async with httpx.AsyncClient() as http:
+                    text = (await http.get(f"{runner.http_endpoint}/metrics")).text
+                deleted = 'kvmesh_eviction_l3_deleted_total{reason="expired"} 1.0' in text
+                return deleted and "kvmesh_eviction_pins 3.0" in text
+            await eventually(counted, 5, "the deletion and the pins in /metrics")
         finally:
             runner.stop()
             assert await asyncio.wait_for(task, 20) == 0

@@ -15,9 +15,10 @@ from datetime import UTC, datetime
 from bus.helpers import FAST_BUS, connected, eventually, unique
 
 from shared.bus.publish import Publisher
-from shared.bus.request import request, serve
+from shared.bus.request import serve
 from shared.config import EvictionSettings, IndexSettings
-from shared.eviction.messages import Demote, PinReply, PinRequest, Warm, WorkerCommand
+from shared.eviction.client import pin_prefix
+from shared.eviction.messages import Demote, PinRequest, Warm, WorkerCommand
 from shared.eviction.service import EvictionService
 from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
@@ -68,9 +69,8 @@ async def test_over_full_worker_gets_demote_and_pins_protect(fresh_nats_server) 
     w1, w2 = unique("w"), unique("w")
     a, b, c = chain(6, "a"), chain(6, "b"), chain(4, "c")
     async with service(url, l1_capacity=10) as svc, connected(url, "test") as nc:
-        reply = await request(nc, subjects.EVICTION_PIN, PinRequest(hashes=[h.hex() for h in b], ttl_s=60),
-                              PinReply, timeout_s=5)
-        assert reply.pinned == 6 and reply.until > time.time() + 50
+        reply = await pin_prefix(nc, b, ttl_s=60, timeout_s=5)
+        assert reply is not None and reply.pinned == 6 and reply.until > time.time() + 50
         async with worker_events(url, w1) as p1, worker_events(url, w2) as p2:
             p1.stored(a, Tier.L1, tokens_per_block=16)
             p1.stored(c, Tier.L1, tokens_per_block=16)  # w1: 10 of 10 blocks: over 0.9
@@ -120,3 +120,8 @@ async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server
     assert set(got.command.keys) == {*keys["cold"], *keys["hot"]}
     assert set(got.command.keys[:2]) == set(keys["hot"])  # hottest first
     assert svc.l3_objects
+
+
+async def test_pin_without_the_service_is_none_not_an_error(fresh_nats_server) -> None:
+    async with connected(fresh_nats_server.url, "test") as nc:
+        assert await pin_prefix(nc, chain(2, "x"), ttl_s=5, timeout_s=0.2) is None
