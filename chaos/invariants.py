@@ -1,0 +1,63 @@
+"""Invariant checks over one scenario's recorded outcomes and the stack's state after it healed.
+
+Each check returns a bool; the runner puts them in the report under
+`invariants`. The rules: an accepted request ends with the fault-free
+tokens or with a retriable error inside its deadline; nothing stays queued
+in a work-queue stream; latency comes back within 2x the baseline p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from chaos.load import Outcome
+from chaos.stack import stream_backlog
+
+RETRIABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def p99_ms(outcomes: list[Outcome]) -> float | None:
+    lat = sorted(o.latency_ms for o in outcomes if o.ok)
+    if not lat:
+        return None
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def ok_outputs_identical(outcomes: list[Outcome], refs: dict[str, str]) -> bool:
+    """Every request that completed produced exactly the greedy reference text."""
+    return all(o.text == refs[o.prompt] for o in outcomes if o.ok)
+
+
+def errors_clean(outcomes: list[Outcome], deadline_s: float) -> bool:
+    """Every failed request failed retriably (a 408/429/5xx or a dropped connection) before its deadline."""
+    return all((o.status is None or o.status in RETRIABLE_STATUS) and o.ended - o.started <= deadline_s + 1.0
+               for o in outcomes if not o.ok)
+
+
+def first_good_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float) -> float | None:
+    """Seconds from the heal until a request begun after it completes within 2x the baseline p99."""
+    for o in sorted(outcomes, key=lambda o: o.ended):
+        if o.ok and o.started >= healed_at and o.latency_ms <= 2 * baseline_p99_ms:
+            return o.ended - healed_at
+    return None
+
+
+def recovery_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float) -> float:
+    """Seconds from the heal until the last request that was errored or slower than 2x the baseline p99.
+
+    Strict: every request begun after the heal counts, so on a loaded machine noise shows up here too.
+    """
+    bad = [o.ended for o in outcomes
+           if o.ended > healed_at and (not o.ok or o.latency_ms > 2 * baseline_p99_ms)]
+    return max(bad) - healed_at if bad else 0.0
+
+
+def nothing_pending(nats_url: str, timeout_s: float = 30.0) -> bool:
+    """JOBS and HANDOFF drain to zero messages: no acknowledged job is pending forever."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(asyncio.run(stream_backlog(nats_url)).values()):
+            return True
+        time.sleep(0.5)
+    return False

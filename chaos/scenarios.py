@@ -1,0 +1,133 @@
+"""The named chaos scenarios and the runner that drives load through fault, heal and recovery.
+
+A scenario is three steps on a running `ChaosStack`: `inject` (at the
+fault's start), `heal` (after the fault window; for a kill it is a no-op,
+so recovery is timed from the kill), and `cleanup` (bring the stack back to
+full strength, e.g. restart a killed worker, so the next scenario starts
+healthy). Phases end on conditions (enough requests seen), each with a
+deadline, never on a bare sleep.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos import invariants
+from chaos.load import Load, Outcome
+from chaos.proxy import Fault
+from chaos.report import counts, plot
+from chaos.stack import API_KEY, ChaosStack
+
+Step = Callable[[ChaosStack], None]
+
+
+def _nothing(stack: ChaosStack) -> None:
+    """A step with nothing to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    doc: str
+    inject: Step
+    heal: Step = _nothing
+    cleanup: Step = _nothing
+    timed_fault: bool = True  # False: the fault is an instant (a kill); heal follows at once
+
+
+def _kill(service_id: str) -> Step:
+    return lambda stack: stack.signal(service_id, signal.SIGKILL)
+
+
+def _restart(service_id: str) -> Step:
+    return lambda stack: stack.restart(service_id)
+
+
+def _proxy(which: str, fault: Fault) -> Step:
+    return lambda stack: getattr(stack, which).set(fault)
+
+
+def _proxy_heal(which: str) -> Step:
+    return lambda stack: getattr(stack, which).heal()
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("decode-kill", "SIGKILL a decode worker mid-stream; its requests migrate to the other one",
+             _kill("decode-0"), cleanup=_restart("decode-0"), timed_fault=False),
+    Scenario("prefill-kill", "SIGKILL a prefill worker holding jobs; the ingress retries them elsewhere",
+             _kill("prefill-0"), cleanup=_restart("prefill-0"), timed_fault=False),
+    Scenario("worker-latency", "40 ms +- 20 ms added between every worker and NATS",
+             _proxy("nats_proxy", Fault(latency_ms=40, jitter_ms=20)), _proxy_heal("nats_proxy")),
+    Scenario("s3-slow", "300 ms +- 100 ms and a 2 MB/s cap between the workers and S3",
+             _proxy("s3_proxy", Fault(latency_ms=300, jitter_ms=100, bandwidth_bps=2e6)), _proxy_heal("s3_proxy")),
+    Scenario("s3-outage", "every worker connection to S3 reset; L3 must degrade to a miss, not an error",
+             _proxy("s3_proxy", Fault(reset=True)), _proxy_heal("s3_proxy")),
+    Scenario("ingress-restart", "SIGKILL the ingress; clients get a clean connection error, then it comes back",
+             _kill("ingress-0"), _restart("ingress-0"), timed_fault=True),
+)}
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _done_after(load: Load, t: float) -> int:
+    return sum(1 for o in list(load.outcomes) if o.started >= t)
+
+
+def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s: float = 6.0,
+        plot_dir: Path | None = None, sessions: int = 3) -> dict[str, Any]:
+    """Baseline load, fault for duration_s (or an instant), heal, recovery; the scenario's report dict."""
+    load = Load(stack.base_url, API_KEY, stack.model_dir.name, sessions=sessions).start()
+    t0 = time.monotonic()
+    _wait(lambda: len(load.outcomes) >= 2 * sessions, 60)
+    fault_at = time.monotonic()
+    scenario.inject(stack)
+    if scenario.timed_fault:
+        _wait(lambda: time.monotonic() - fault_at >= duration_s, duration_s)
+    scenario.heal(stack)
+    healed_at = time.monotonic()
+    _wait(lambda: sum(1 for o in list(load.outcomes) if o.ok and o.started >= healed_at) >= 2 * sessions, 90)
+    outcomes = load.finish()
+    scenario.cleanup(stack)
+    baseline = [o for o in outcomes if o.ended <= fault_at]
+    during = [o for o in outcomes if o.started < healed_at and o.ended > fault_at]
+    base_p99 = invariants.p99_ms(baseline) or 0.0
+    first_good = invariants.first_good_s(outcomes, healed_at, base_p99)
+    report: dict[str, Any] = {
+        "scenario": scenario.name,
+        "requests": counts(outcomes),
+        "latency_p99_ms": {"baseline": base_p99, "fault": invariants.p99_ms(during),
+                           "after": invariants.p99_ms([o for o in outcomes if o.started >= healed_at])},
+        "fault_s": round(healed_at - fault_at, 3),
+        "recovery_s": round(invariants.recovery_s(outcomes, healed_at, base_p99), 3),
+        "first_good_s": None if first_good is None else round(first_good, 3),
+        "invariants": {
+            "outputs_identical": invariants.ok_outputs_identical(outcomes, refs),
+            "errors_clean": invariants.errors_clean(outcomes, load.request_timeout_s),
+            "nothing_pending": invariants.nothing_pending(stack.nats.url),
+            "recovered": first_good is not None,
+        },
+        "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+    }
+    if plot_dir is not None:
+        report["plot"] = str(plot(plot_dir / f"{scenario.name}.png", scenario.name, outcomes, t0,
+                                  (fault_at, healed_at)))
+    return report
+
+
+def outcomes_ok(report: dict[str, Any]) -> bool:
+    return all(report["invariants"].values())
+
+
+__all__ = ["SCENARIOS", "Scenario", "run", "outcomes_ok", "Outcome"]

@@ -1,0 +1,196 @@
+"""The stack a chaos scenario runs against: real NATS, real S3, 2 prefill + 2 decode workers, one ingress.
+
+Workers reach NATS and S3 through a `FaultProxy` each (the ingress reaches
+NATS directly), so latency, blackholes and resets can be injected between
+the workers and their dependencies. Every process is a child started with
+`python -m services.<name>`; `stop()` kills them all by PID and checks that
+no process or port is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from chaos.proxy import FaultProxy
+from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port, pid_alive, port_in_use, spawn_process
+
+API_KEY = "sk-chaos"
+PREFILLS = ("prefill-0", "prefill-1")
+DECODES = ("decode-0", "decode-1")
+BUCKET = "kvmesh-chaos"
+
+
+@dataclass
+class ChaosStack:
+    root: Path
+    model_dir: Path
+    nats: NatsServer = field(init=False)
+    s3: S3Server = field(init=False)
+    nats_proxy: FaultProxy = field(init=False)
+    s3_proxy: FaultProxy = field(init=False)
+    ingress_port: int = field(default_factory=free_port)
+    procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)  # service id -> its side HTTP port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ingress_port}"
+
+    def start(self, ready_timeout_s: float = 120.0) -> ChaosStack:
+        """NATS, S3, proxies, streams, bucket, then every service; returns once all are ready and live."""
+        self.nats = NatsServer(data_dir=self.root / "nats")
+        self.nats.start()
+        self.s3 = S3Server(data_dir=self.root / "s3")
+        self.s3.start()
+        self.s3.ensure_bucket(BUCKET)
+        asyncio.run(_declare(self.nats.url))
+        self.nats_proxy = FaultProxy(self.nats.port).start()
+        self.s3_proxy = FaultProxy(self.s3.port).start()
+        for worker in PREFILLS:
+            self.spawn("prefill", worker)
+        for worker in DECODES:
+            self.spawn("decode", worker)
+        self.spawn("ingress", "ingress-0")
+        for service_id in self.procs:
+            self.wait_ready(service_id, ready_timeout_s)
+        self.wait_live(ready_timeout_s)
+        return self
+
+    def env(self, service_id: str) -> dict[str, str]:
+        via_proxy = service_id != "ingress-0"
+        env = dict(os.environ)
+        env.update(
+            KVMESH_NATS_URL=f"nats://{self.nats_proxy.endpoint}" if via_proxy else self.nats.url,
+            KVMESH_STATE_DIR=str(self.root / "state"),
+            KVMESH_MODEL_DIR=str(self.model_dir),
+            KVMESH_SERVICE__WORKER_ID=service_id,
+            KVMESH_SERVICE__HTTP_PORT=str(self.ports[service_id]),
+            KVMESH_SERVICE__HEARTBEAT_INTERVAL_S="0.5",
+            KVMESH_SERVICE__HEARTBEAT_TTL_S="2",
+            KVMESH_ENGINE__NUM_BLOCKS="512",
+            KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
+            KVMESH_API_KEYS=f"{API_KEY}:chaos",
+            KVMESH_INGRESS__PORT=str(self.ingress_port),
+            KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
+            KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5",
+            KVMESH_S3_ENDPOINT=self.s3_proxy.endpoint if via_proxy else self.s3.endpoint,
+            KVMESH_S3_ACCESS_KEY=self.s3.access_key,
+            KVMESH_S3_SECRET_KEY=self.s3.secret_key,
+            KVMESH_S3__BUCKET=BUCKET,
+            KVMESH_LOG_LEVEL="info",
+        )
+        return env
+
+    def spawn(self, service: str, service_id: str) -> None:
+        self.ports.setdefault(service_id, free_port())
+        argv = [sys.executable, "-m", f"services.{service}"]
+        self.procs[service_id] = spawn_process(service_id, argv, self.root / "logs" / f"{service_id}.log",
+                                               detach=False, env=self.env(service_id))
+
+    def restart(self, service_id: str, timeout_s: float = 120.0) -> None:
+        """Start a killed service again under the same id (and wait until it is ready and live)."""
+        service = service_id.rsplit("-", 1)[0]
+        self.spawn(service, service_id)
+        self.wait_ready(service_id, timeout_s)
+        self.wait_live(timeout_s)
+
+    def wait_ready(self, service_id: str, timeout_s: float) -> None:
+        url = f"http://127.0.0.1:{self.ports[service_id]}/readyz"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[service_id].proc
+            if proc.poll() is not None:
+                raise RuntimeError(f"{service_id} exited {proc.returncode}:\n{self.log(service_id)[-3000:]}")
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{service_id} not ready in {timeout_s}s:\n{self.log(service_id)[-3000:]}")
+
+    def wait_live(self, timeout_s: float) -> None:
+        """Every worker's heartbeat is live in NATS (the ingress routes to all of them)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if set(PREFILLS + DECODES) <= asyncio.run(_alive(self.nats.url)):
+                return
+            time.sleep(0.3)
+        raise TimeoutError("workers did not all become live")
+
+    def signal(self, service_id: str, sig: int) -> None:
+        os.kill(self.procs[service_id].pid, sig)
+
+    def log(self, service_id: str) -> str:
+        path = self.root / "logs" / f"{service_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> list[str]:
+        """Stop everything; returns what leaked (live PIDs, bound ports) — empty when clean."""
+        pids = [p.pid for p in self.procs.values()]
+        ports = list(self.ports.values()) + [self.ingress_port]
+        for proc in self.procs.values():
+            if proc.proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                except ProcessLookupError:
+                    pass
+            proc.stop(grace_s=3.0)
+        self.procs.clear()
+        for name in ("nats_proxy", "s3_proxy"):
+            if hasattr(self, name):
+                proxy: FaultProxy = getattr(self, name)
+                ports.append(proxy.port)
+                proxy.stop()
+        for name in ("nats", "s3"):
+            if hasattr(self, name):
+                server = getattr(self, name)
+                if server.process is not None:
+                    pids.append(server.process.pid)
+                    ports.append(server.port)
+                server.stop()
+        return [f"pid {p}" for p in pids if pid_alive(p)] + [f"port {p}" for p in ports if port_in_use(p)]
+
+
+async def _declare(nats_url: str) -> None:
+    import nats
+
+    from shared.protocol.streams import declare_all
+
+    nc = await nats.connect(nats_url)
+    try:
+        await declare_all(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+async def _alive(nats_url: str) -> set[str]:
+    import nats
+
+    from shared.service.watch import alive_workers
+
+    nc = await nats.connect(nats_url)
+    try:
+        return set(await alive_workers(nc.jetstream()))
+    finally:
+        await nc.close()
+
+
+async def stream_backlog(nats_url: str, streams: tuple[str, ...] = ("JOBS", "HANDOFF")) -> dict[str, int]:
+    """Messages still held by each work-queue stream (acked ones are deleted): 0 means nothing is pending."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        return {name: int((await js.stream_info(name)).state.messages) for name in streams}
+    finally:
+        await nc.close()
