@@ -80,3 +80,19 @@ def test_quota_per_namespace_then_capacity_lowest_priority_first(s3_server) -> N
     assert a_keys[2] not in plan.over_capacity and b_keys[0] not in plan.over_capacity
     apply_gc(store, plan.keys)
     assert {o.key for o in scan(store)} == {a_keys[2], b_keys[0]}
+
+
+def test_two_workers_writing_one_prefix_leave_one_copy_and_gc_counts_it_once(s3_server) -> None:
+    store = l3_store(s3_server, FP)
+    other = replace(store, stats=type(store.stats)())  # a second worker's store on the same bucket
+    blocks = [encode_kv_block(b, FP) for b in kv_chain(4, seed=9)]
+    keys = {h.object_key for h in store.put_chain("t-a", blocks)}
+    assert {h.object_key for h in other.put_chain("t-a", blocks)} == keys
+    assert other.stats.chunks_written == 0 and other.stats.chunks_skipped == 2
+    objects = scan(store)
+    assert sorted(o.key for o in objects) == sorted(keys)
+    size = objects[0].size
+    now = time.time()
+    plan = plan_gc(objects, GCLimits(capacity_bytes=2 * size), get_policy("cost"), now,
+                   chunk_pinned(store, PinTable(), now))
+    assert plan.keys == []  # two objects, not four: within a two-object budget
