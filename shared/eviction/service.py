@@ -125,8 +125,12 @@ class EvictionService:
                      over_capacity=len(plan.over_capacity))
         return plan
 
-    async def warm(self, worker: str) -> WorkerCommand | None:
-        """Send `worker` the hottest L3 chunks (scanning L3 first if no scan has run yet)."""
+    async def warm(self, worker: str, incarnation: str = "") -> WorkerCommand | None:
+        """Send `worker` the hottest L3 chunks (scanning L3 first if no scan has run yet).
+
+        `incarnation` (its heartbeat's start time) keeps a restarted worker's warm-up from being
+        deduplicated as a repeat of the previous one's.
+        """
         if self.l3 is None:
             return None
         if not self.l3_objects:
@@ -139,8 +143,8 @@ class EvictionService:
                          self.view.stats.get)
         if not keys:
             return None
-        cmd = WorkerCommand(worker=worker, command_id=f"warm-{worker}-{len(keys)}-{keys[0].rsplit('/', 1)[-1]}",
-                            command=Warm(keys=keys))
+        cid = f"warm-{worker}-{incarnation}-{len(keys)}-{keys[0].rsplit('/', 1)[-1]}"
+        cmd = WorkerCommand(worker=worker, command_id=cid, command=Warm(keys=keys))
         await self._send(cmd)
         return cmd
 
@@ -166,8 +170,8 @@ class EvictionService:
                 async for change in watch_workers(self.js):
                     if change.change is Change.DOWN:
                         self.view.forget_worker(change.worker_id)
-                    elif change.change is Change.UP and self._fresh(change.heartbeat):
-                        await self.warm(change.worker_id)
+                    elif change.change is Change.UP and change.heartbeat and self._fresh(change.heartbeat):
+                        await self.warm(change.worker_id, f"{change.heartbeat.started_at.timestamp():.6f}")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the watch restarts; advice is best effort
