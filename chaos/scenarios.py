@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import invariants
+from chaos import invariants, l3_corrupt
 from chaos.load import Load, Outcome
 from chaos.proxy import Fault
 from chaos.report import counts, plot
@@ -38,6 +38,7 @@ class Scenario:
     heal: Step = _nothing
     cleanup: Step = _nothing
     timed_fault: bool = True  # False: the fault is an instant (a kill); heal follows at once
+    probe: Callable[[ChaosStack], dict[str, bool]] | None = None  # checks of its own inside the fault window
 
 
 def _kill(service_id: str) -> Step:
@@ -69,6 +70,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _proxy("s3_proxy", Fault(reset=True)), _proxy_heal("s3_proxy")),
     Scenario("ingress-restart", "SIGKILL the ingress; clients get a clean connection error, then it comes back",
              _kill("ingress-0"), _restart("ingress-0"), timed_fault=True),
+    Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a worker reading them counts checksum misses "
+             "and still answers the reference", _nothing, timed_fault=False, probe=l3_corrupt.probe),
 )}
 
 
@@ -93,6 +96,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
     _wait(lambda: len(load.outcomes) >= 2 * sessions, 60)
     fault_at = time.monotonic()
     scenario.inject(stack)
+    probed = scenario.probe(stack) if scenario.probe is not None else {}
     if scenario.timed_fault:
         _wait(lambda: time.monotonic() - fault_at >= duration_s, duration_s)
     scenario.heal(stack)
@@ -117,6 +121,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
             "errors_clean": invariants.errors_clean(outcomes, load.request_timeout_s),
             "nothing_pending": invariants.nothing_pending(stack.nats.url),
             "recovered": first_good is not None,
+            **probed,
         },
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
     }

@@ -77,6 +77,8 @@ class ChaosStack:
             KVMESH_SERVICE__HEARTBEAT_TTL_S="2",
             KVMESH_ENGINE__NUM_BLOCKS="512",
             KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
+            KVMESH_TIERS__L3_CHUNK_TOKENS="32",  # short prompts reach L3 (2 blocks a chunk)
+            KVMESH_TIERS__L2_SHARED_MEMORY="false",  # a worker without a prefix reads L3, not a peer's shm
             KVMESH_API_KEYS=f"{API_KEY}:chaos",
             KVMESH_INGRESS__PORT=str(self.ingress_port),
             KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",

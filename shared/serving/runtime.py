@@ -49,6 +49,7 @@ class WorkerRuntime:
         engine = EngineLoop(Engine(loaded, s.engine, listener=events))  # policy: settings.engine.eviction_policy
         engine.start()
         tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events)
+        tiers.counters.export(ctx.metrics.registry)  # checksum/corruption misses visible on /metrics
         peers = PeerDirectory(ctx.js, ctx.worker_id)
         peers.start()
         rt = cls(loaded, engine, tiers, peers, events)

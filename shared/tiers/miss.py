@@ -62,3 +62,19 @@ class MissCounters:
 
     def total(self, reason: MissReason | None = None) -> int:
         return sum(n for (_, r), n in self.counts.items() if reason is None or r == reason)
+
+    def export(self, registry) -> None:
+        """Expose the counts as `kvmesh_tier_miss_total{tier,reason}` on a prometheus registry (read at scrape)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        counts = self.counts
+
+        class _Collector:
+            def collect(self):
+                family = CounterMetricFamily("kvmesh_tier_miss", "Tier misses by tier and reason.",
+                                             labels=("tier", "reason"))
+                for (tier, reason), n in list(counts.items()):
+                    family.add_metric((tier.value, reason.value), n)
+                yield family
+
+        registry.register(_Collector())
