@@ -115,6 +115,7 @@ class EvictionSettings(BaseModel):
     namespace_quota_bytes: int | None = None  # per-tenant L3 budget; None: no quota
     warm_max_chunks: int = 64  # chunk keys in a new worker's warm command
     warm_window_s: float = 120.0  # a worker is warmed if it started this recently (not on a service restart)
+    max_block_stats: int = 2_000_000  # access stats kept for blocks held nowhere any more are pruned beyond this
 
 
 class StackSettings(BaseModel):

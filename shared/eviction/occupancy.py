@@ -60,6 +60,20 @@ class OccupancyView:
                 for held in occ.tiers.values():
                     held.clear()
 
+    def prune(self, max_stats: int) -> int:
+        """Bound the stats: forget the longest-idle blocks held nowhere (no worker tier, not in L3)."""
+        excess = len(self.stats) - max_stats
+        if excess <= 0:
+            return 0
+        held = set(self.l3)
+        for occ in self.workers.values():
+            for blocks in occ.tiers.values():
+                held |= blocks
+        idle = sorted((i.last_access, h) for h, i in self.stats.items() if h not in held)
+        for _, h in idle[:excess]:
+            del self.stats[h]
+        return min(excess, len(idle))
+
     def forget_worker(self, worker: str) -> None:
         """A worker went down: its L1/L2 are gone (its L3 chunks stay: they are shared)."""
         self.workers.pop(worker, None)

@@ -97,6 +97,7 @@ class EvictionService:
     async def tick(self) -> None:
         now = time.time()
         self.pins.expire(now)
+        self.view.prune(self.settings.max_block_stats)
         for cmd in self.advisor.advise(now):
             await self._send(cmd)
 

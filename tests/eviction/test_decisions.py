@@ -1,4 +1,4 @@
-"""The demotion decision on synthetic occupancy and stats: watermarks, policy order, leaf-first, protection."""
+"""The demotion decision on synthetic occupancy and stats (watermarks, policy order, leaf-first, protection); the view."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 from shared.cache_policy.base import BlockInfo
 from shared.cache_policy.registry import POLICIES, get_policy
 from shared.eviction.decisions import Watermarks, plan_demotion
+from shared.eviction.occupancy import OccupancyView
+from shared.kv_events.events import BlockRemoved, BlockStored, KVEventBatch, WorkerCleared
+from shared.tiers.miss import Tier
 
 from .helpers import chain, infos
 
@@ -68,3 +71,19 @@ def test_any_forest_never_protected_always_leaf_first(parents, accesses, protect
         gone.add(h)
     if len(blocks) > MARKS.high * capacity and not guard:
         assert len(out) == len(blocks) - int(MARKS.low * capacity)
+
+
+def test_view_prunes_stats_of_blocks_held_nowhere_oldest_first() -> None:
+    view = OccupancyView()
+    a, b = chain(3, "a"), chain(3, "b")
+    events = [WorkerCleared(seq=1, epoch=1),
+              BlockStored(seq=2, hashes=[h.hex() for h in a], tokens_per_block=16, tier=Tier.L1),
+              BlockStored(seq=3, hashes=[h.hex() for h in b], tokens_per_block=16, tier=Tier.L1),
+              BlockRemoved(seq=4, hashes=[h.hex() for h in a[1:]], tier=Tier.L1)]
+    for i, ev in enumerate(events):  # one batch each, one second apart
+        view.apply(KVEventBatch(worker="w", epoch=1, events=[ev]), now=float(i))
+    assert view.workers["w"].count(Tier.L1) == 4 and view.stats[b[2]].parent_hash == b[1]
+    assert view.prune(max_stats=10) == 0
+    assert view.prune(max_stats=5) == 1 and len(view.stats) == 5
+    assert view.prune(max_stats=0) == 1  # only a[1:] were held nowhere; held blocks keep their stats
+    assert set(view.stats) == {a[0], *b}
