@@ -41,6 +41,7 @@ from shared.protocol.messages import Heartbeat, Role
 from shared.protocol.streams import KV_EVENTS
 from shared.service.watch import Change, watch_workers
 from shared.tiers.l3_store import L3Store
+from shared.tiers.miss import Miss
 
 log = get_logger(__name__)
 
@@ -114,7 +115,11 @@ class EvictionService:
             info = self.view.stats.get(obj.last_hash)
             return info.access_count if info is not None else 1
         plan = await asyncio.to_thread(plan_gc, objects, limits, self.policy, now, pinned, accesses)
+        # What the deleted chunks held leaves the L3 view: L2 advice then keeps those blocks (a block
+        # also in a surviving chunk is only kept more carefully than needed).
+        gone_hashes = await asyncio.to_thread(_toc_hashes, store, plan.keys)
         self.deleted += await asyncio.to_thread(apply_gc, store, plan.keys)
+        self.view.l3.difference_update(gone_hashes)
         if self.metrics is not None:
             for reason, keys in (("expired", plan.expired), ("over_quota", plan.over_quota),
                                  ("over_capacity", plan.over_capacity)):
@@ -191,3 +196,13 @@ class EvictionService:
                 await fn()
             except Exception as exc:  # noqa: BLE001 - one failed pass (S3 or NATS down) is retried next period
                 log.warning("eviction pass failed", what=fn.__name__, error=repr(exc))
+
+
+def _toc_hashes(store: L3Store, keys: list[str]) -> set[bytes]:
+    out: set[bytes] = set()
+    for key in keys:
+        out.add(bytes.fromhex(key.rsplit("/", 1)[-1]))
+        toc = store.read_toc(key)
+        if not isinstance(toc, Miss):
+            out.update(h for h, _, _ in toc)
+    return out
