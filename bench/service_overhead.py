@@ -11,7 +11,7 @@ client->job published, job->first token event, token event->client, and
 first token->handoff. Prompts are unique per request (no cache hits on
 either side). Progress on stderr, one JSON object on stdout.
 
-    .venv/bin/python -m bench.service_overhead [--requests 20] [--sizes 16,128,512]
+    .venv/bin/python -m bench.service_overhead [--requests 20] [--sizes 16,128,512] [--spans]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ KEY = "sk-bench-overhead"
 
 
 @contextmanager
-def stack(model_dir: Path, say: Console) -> Iterator[tuple[str, str]]:
-    """(ingress base URL, NATS URL) of a stack of our own; always `kvmesh down`."""
+def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, str, Path]]:
+    """(ingress base URL, NATS URL, state dir) of a stack of our own; always `kvmesh down`."""
     from shared.stack.servers import free_port
     from shared.stack.state import load_state
 
@@ -46,7 +46,7 @@ def stack(model_dir: Path, say: Console) -> Iterator[tuple[str, str]]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-overhead-") as tmp:
         port = free_port()
         env = {**os.environ, "KVMESH_API_KEYS": f"{KEY}:bench", "KVMESH_INGRESS__PORT": str(port),
-               "KVMESH_LOG_LEVEL": "warning", "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000",
+               "KVMESH_LOG_LEVEL": log_level, "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000",
                "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000"}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
                 "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", "1", "--decode", "1", "--timeout", "180"]
@@ -57,7 +57,7 @@ def stack(model_dir: Path, say: Console) -> Iterator[tuple[str, str]]:
                 raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}")
             state = load_state(Path(tmp))
             assert state is not None
-            yield f"http://127.0.0.1:{port}/v1", state.nats_url
+            yield f"http://127.0.0.1:{port}/v1", state.nats_url, Path(tmp)
         finally:
             subprocess.run([kvmesh, "down", "--state-dir", tmp], env=env, capture_output=True, timeout=120)
 
@@ -168,19 +168,33 @@ async def measure(url: str, nats_url: str, model_dir: Path, sizes: list[int], n:
     return {"requests_per_case": n, "cases": out, "service_overhead_ms_p50_median_of_cases": round(_pct(over, 0.5), 2)}
 
 
+def prefill_spans(state_dir: Path) -> dict:
+    """p50 of the prefill worker's own spans (its `prefilled` log lines: reach, engine, token0, store)."""
+    spans = defaultdict(list)
+    for path in (state_dir / "logs").glob("prefill*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"prefilled"' in line:
+                for k, v in json.loads(line).get("ms", {}).items():
+                    spans[k].append(v)
+    return {f"prefill_{k}_ms_p50": round(_pct(v, 0.5), 2) for k, v in spans.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--sizes", default="16,128,512")
+    ap.add_argument("--spans", action="store_true", help="info logs in the stack: the prefill worker's spans too")
     a = ap.parse_args()
     say = Console(stderr=True)
     from shared.engine.presets import write_preset
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-model-") as tmp:
         model_dir = write_preset(Path(tmp) / "tiny", "tiny", "llama", seed=0)
-        with stack(model_dir, say) as (url, nats_url):
+        with stack(model_dir, say, "info" if a.spans else "warning") as (url, nats_url, state_dir):
             result = asyncio.run(measure(url, nats_url, model_dir, [int(s) for s in a.sizes.split(",")],
                                          a.requests, say))
+            if a.spans:
+                result["prefill_spans_all_cases"] = prefill_spans(state_dir)
     print(json.dumps(result, indent=1))
 
 

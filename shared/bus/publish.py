@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
@@ -104,3 +105,14 @@ class Publisher:
                 log.info("publish retry", subject=subject, msg_id=msg_id, attempt=attempt, error=repr(exc))
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, s.publish_retry_max_s)
+
+    @property
+    def nc(self) -> NATS:
+        """The connection under the JetStream context (for core requests and subscriptions)."""
+        return self.js._nc
+
+    async def send(self, subject: str, payload: Message, msg_id: str) -> None:
+        """Publish without waiting for the stream's ack (core NATS; a stream on `subject` still stores
+        it, deduplicated by `msg_id`). For the latency path where the reader copes with a lost message."""
+        hdrs = {**propagation_headers(), subjects.HDR_MSG_ID: msg_id}
+        await self.nc.publish(subject, payload.to_bytes(), headers=hdrs)

@@ -80,13 +80,16 @@ class PrefillWorker:
             await self._fail(job, "deadline passed before prefill started", retriable=True)
             return
         engine = self.rt.engine
+        t0 = time.perf_counter()
         peers = self.rt.peers.ids() if self.settings.probe_peers else []
-        reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt)
+        reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
+                                   self.publisher.nc)
         engine_id = f"{job.request_id}:{job.attempt}:prefill"
         spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(max_tokens=1), salt, blocks=reach.blocks)
         if self.ledger.aborted(job.request_id):
             return
         self._engine_ids[job.request_id] = engine_id
+        t1 = time.perf_counter()
         try:
             out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
         except ValueError as exc:
@@ -102,6 +105,7 @@ class PrefillWorker:
         created = cache_created(job.pins, len(reach.hashes), engine.engine.block_size, out.cached_tokens)
         usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
         first = out.token_ids[0] if out.token_ids else None
+        t2 = time.perf_counter()
         final_now = out.finish_reason == "stop" or job.sampling.max_tokens == 1
         if not job.prefill_only and not final_now and not self.ledger.aborted(job.request_id):
             # The first token goes out before the blocks are stored: TTFT does not wait for L2.
@@ -110,6 +114,7 @@ class PrefillWorker:
             # The decode worker primes its detokenizer with this token and continues from the same point.
             await publish_event(self.publisher, self._event(job, token_ids=[first], text=detok.take_delta(False),
                                                             **usage))
+        t3 = time.perf_counter()
         tiers = self.rt.tiers
         missing = tiers.missing(reach.hashes)
         exported = await engine.call(lambda e: e.export_blocks(missing)) if missing else []
@@ -118,7 +123,8 @@ class PrefillWorker:
             await apply_pins(engine, tiers, job.pins, reach.hashes)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
                  cached_tokens=out.cached_tokens, sources={t.value: n for t, n in reach.sources.items() if n},
-                 handles=len(handles))
+                 handles=len(handles), ms={"reach": _ms(t0, t1), "engine": _ms(t1, t2), "token0": _ms(t2, t3),
+                                           "store": _ms(t3, time.perf_counter())})
         if job.prefill_only:
             await self._named_cache(job, chain, out.cached_tokens, created)
             return
@@ -149,3 +155,7 @@ class PrefillWorker:
             return
         await publish_event(self.publisher, self._event(job, finished=True, finish_reason="stop", cached_tokens=cached,
                                                         cache_created_tokens=created))
+
+
+def _ms(a: float, b: float) -> float:
+    return round((b - a) * 1000, 2)

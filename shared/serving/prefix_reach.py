@@ -2,7 +2,8 @@
 
 Order: the engine's own pool (L1), then block by block this worker's L2 or
 a same-host peer's shared-memory L2 (peers from heartbeats), then L3 chunk
-by chunk from the first block still missing. Only blocks a request can use
+by chunk from the first block still missing (unless the cache index, asked
+meanwhile, knows L3 holds nothing further: a new prompt then costs no GETs). Only blocks a request can use
 count: at least the last prompt token is always computed, so a prompt of n
 tokens reaches at most (n - 1) // block_size blocks. Whatever is not
 reached is simply computed.
@@ -13,12 +14,21 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from nats.aio.client import Client as NATS
+
+from shared.cache_index.client import lookup_prefix
+from shared.cache_index.messages import LookupReply
 from shared.engine.kv_block import KVBlock
 from shared.serving.engine_loop import EngineLoop
 from shared.serving.worker_tiers import WorkerTiers, namespace_for
+from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Miss, Tier
+
+_INDEX_TIMEOUT_S = 0.02  # a lookup answers in about a millisecond; past this, L3 is asked instead
+_PROBE_THREADS = 16  # concurrent GETs of one chunk's possible ends (a chunk is 16 blocks by default)
 
 
 @dataclass(slots=True)
@@ -34,7 +44,9 @@ class Reach:
 
 
 async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequence[str], prompt_ids: list[int],
-                       tenant_salt: str) -> Reach:
+                       tenant_salt: str, nc: NATS | None = None) -> Reach:
+    """With `nc`, the cache index is asked (while L2 and peers are looked at) how far L3 holds the chain;
+    a ready index that knows of nothing past the blocks found here saves the L3 GETs. No answer: ask L3."""
     salt = bytes.fromhex(tenant_salt)
 
     def look(e) -> tuple[list[bytes], int]:
@@ -46,6 +58,9 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     usable = (len(prompt_ids) - 1) // engine.engine.block_size
     reach = Reach(hashes=list(hashes), l1_blocks=l1)
     reach.sources[Tier.L1] = l1
+    index = None
+    if nc is not None and tiers.l3 is not None and l1 < usable:
+        index = asyncio.ensure_future(lookup_prefix(nc, hashes[:usable], _INDEX_TIMEOUT_S))
     i = l1
     while i < usable:
         block = await _from_host(tiers, peer_ids, hashes[i])
@@ -55,6 +70,8 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
         reach.blocks.append(kb)
         reach.sources[tier] += 1
         i += 1
+    if index is not None and await _l3_known_to_end_by(index, i):
+        return reach
     if i < usable and tiers.l3 is not None:
         # A chain that ends inside a chunk is found only by probing each possible end (a GET each);
         # worth it when nothing was reached here (restart, another host), not for the fresh tail of a
@@ -63,6 +80,13 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
         reach.blocks += found
         reach.sources[Tier.L3] += len(found)
     return reach
+
+
+async def _l3_known_to_end_by(index: asyncio.Future[LookupReply | None], reached: int) -> bool:
+    """True when a ready index says L3 holds nothing past `reached` blocks (a hint: a chain uploaded
+    a moment ago may not be indexed yet, which costs a recompute, never a wrong answer)."""
+    reply = await index
+    return reply is not None and reply.ready and reply.l3_blocks <= reached
 
 
 async def _from_host(tiers: WorkerTiers, peer_ids: Sequence[str], block_hash: bytes) -> tuple[Tier, KVBlock] | None:
@@ -82,7 +106,7 @@ def l3_run(tiers: WorkerTiers, tenant_salt: str, hashes: Sequence[bytes], start:
 
     A chain stored shorter than this prompt ends in a partial chunk keyed by its own last block, so
     with `search_partial`, when a chunk's full key misses, shorter ends of that chunk are tried
-    (longest first) before giving up.
+    (all at once; the longest found wins) before giving up.
     """
     store = tiers.l3
     assert store is not None
@@ -92,12 +116,10 @@ def l3_run(tiers: WorkerTiers, tenant_salt: str, hashes: Sequence[bytes], start:
         if positions[-1] < start:
             continue
         lowest = max(start, positions[0]) if search_partial else positions[-1]
-        for end in range(positions[-1], lowest - 1, -1):
-            chunk = store.get_chunk(store.key(ns, hashes[end]))
-            if not isinstance(chunk, Miss):
-                break
-        else:
+        found = _longest_end(store, ns, hashes, positions[-1], lowest)
+        if found is None:
             return out
+        end, chunk = found
         want = [hashes[p] for p in range(positions[0], end + 1)]
         if [b.header.block_hash for b in chunk] != want:
             return out
@@ -105,3 +127,22 @@ def l3_run(tiers: WorkerTiers, tenant_salt: str, hashes: Sequence[bytes], start:
         if end != positions[-1]:
             return out
     return out
+
+
+def _longest_end(store: L3Store, ns: str, hashes: Sequence[bytes], last: int,
+                 lowest: int) -> tuple[int, list] | None:
+    """The longest chunk ending in last..lowest that L3 holds: the full end first (the usual hit), then
+    every shorter end at once (a miss on all of them, the common case for a new prompt, costs one GET's
+    latency instead of one per position)."""
+    chunk = store.get_chunk(store.key(ns, hashes[last]))
+    if not isinstance(chunk, Miss):
+        return last, chunk
+    ends = list(range(last - 1, lowest - 1, -1))
+    if not ends:
+        return None
+    with ThreadPoolExecutor(max_workers=min(len(ends), _PROBE_THREADS)) as pool:
+        chunks = list(pool.map(lambda end: store.get_chunk(store.key(ns, hashes[end])), ends))
+    for end, chunk in zip(ends, chunks):
+        if not isinstance(chunk, Miss):
+            return end, chunk
+    return None

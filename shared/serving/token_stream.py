@@ -1,7 +1,8 @@
 """A request's output on `subjects.tokens(request_id)`, published in order.
 
-Outputs arrive from the engine thread faster than JetStream acks; whatever
-piles up while one publish is in flight goes out as the next event (several
+Events go out on core NATS (the TOKENS stream still stores them, deduplicated
+by message id) without waiting for the stream's ack. Whatever piles up while
+one publish is in flight goes out as the next event (several
 tokens, `seq` of the first), so the stream never falls behind the engine
 and events stay in seq order. `finish` publishes what is left as the final
 event. Message ids are (request, attempt, seq, count, final): a retried
@@ -24,7 +25,9 @@ def event_msg_id(ev: TokenEvent) -> str:
 
 
 async def publish_event(publisher: Publisher, ev: TokenEvent) -> None:
-    await publisher.publish(subjects.tokens(ev.request_id), ev, msg_id=event_msg_id(ev))
+    # Not waiting for the TOKENS stream's ack (an fsync per event): the ingress already orders by seq,
+    # drops duplicates and times a silent worker out, so a lost event costs a retry, never a wrong answer.
+    await publisher.send(subjects.tokens(ev.request_id), ev, msg_id=event_msg_id(ev))
 
 
 @dataclass
