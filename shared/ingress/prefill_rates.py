@@ -4,7 +4,9 @@ The ingress measures it itself: from publishing a PrefillJob to its seq-0
 event (what the client sees as TTFT on that worker), divided by the tokens
 the worker had to compute (prompt - cached, as seq 0 reports). That time
 includes the worker's queue, which is the point: a slow or busy worker
-looks slow. A worker never observed uses `prior_s_per_token`.
+looks slow. Short prefills are no sample (fixed per-request overhead
+would dominate). A worker never observed is assumed as fast as the mean of
+the observed ones (workers are alike by default), else `prior_s_per_token`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 class PrefillRates:
     prior_s_per_token: float = 2e-4
     alpha: float = 0.2  # weight of the newest observation
-    min_tokens: int = 16  # shorter prefills are dominated by fixed overhead: not a rate sample
+    min_tokens: int = 64  # shorter prefills are dominated by fixed overhead: not a rate sample
     _rates: dict[str, float] = field(default_factory=dict)
 
     def observe(self, worker: str, seconds: float, uncached_tokens: int) -> None:
@@ -27,7 +29,10 @@ class PrefillRates:
         self._rates[worker] = sample if old is None else old + self.alpha * (sample - old)
 
     def rate(self, worker: str) -> float:
-        return self._rates.get(worker, self.prior_s_per_token)
+        rate = self._rates.get(worker)
+        if rate is None:
+            return sum(self._rates.values()) / len(self._rates) if self._rates else self.prior_s_per_token
+        return rate
 
     def forget(self, keep: set[str]) -> None:
         """Drop the rates of workers no longer live (a restarted id starts from the prior again)."""

@@ -136,7 +136,7 @@ class Router:
     rates: PrefillRates = field(default_factory=PrefillRates)
     affinity_bonus_s: float = 0.02
     load_bound: float = 1.5
-    _turn: int = 0  # round_robin position
+    _turns: dict[Role, int] = field(default_factory=dict)  # round_robin position per role
 
     @classmethod
     def of(cls, table: WorkerTable, s: IngressSettings) -> Router:
@@ -150,8 +150,8 @@ class Router:
         if not candidates:
             return None
         if self.mode == "round_robin":
-            self._turn += 1
-            return candidates[self._turn % len(candidates)]
+            turn = self._turns[role] = self._turns.get(role, -1) + 1
+            return candidates[turn % len(candidates)]
         views = {w: self.table.view(w) for w in candidates}
         if affinity_key:
             preferred = home(affinity_key, candidates)
@@ -181,4 +181,7 @@ class Router:
                              views[w].queued(), self.costs)
             return (c - (self.affinity_bonus_s if w == preferred else 0.0), w)
 
-        return min(eligible, key=cost)
+        best = min(eligible, key=cost)
+        log.debug("prefill routed", worker=best, costs={w: round(cost(w)[0], 5) for w in views}, cap=cap,
+                 matches={m.worker: m.blocks for m in reply.workers}, l3=reply.l3_blocks, blocks=total_blocks)
+        return best

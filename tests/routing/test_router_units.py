@@ -70,7 +70,8 @@ def test_without_an_index_answer_it_routes_by_load_and_a_slow_worker_is_avoided(
     rates = PrefillRates(prior_s_per_token=1e-4)
     router = Router.of(table_of({"p1": 0, "p2": 0}), IngressSettings())
     router.rates = rates
-    rates.observe("p1", 1.0, 100)  # 10 ms/token measured: far slower than p2's prior
+    rates.observe("p1", 1.0, 100)  # 10 ms/token measured
+    rates.observe("p2", 0.01, 100)  # 0.1 ms/token
     cold = LookupReply(workers=[], l3_blocks=0, indexed_blocks=0, ready=True)
     assert router.pick_prefill(40 * BLOCK, BLOCK, cold) == "p2"
 
@@ -83,6 +84,8 @@ def test_prefill_rates_ewma():
     assert rates.rate("w") == pytest.approx(0.03)
     rates.observe("w", 100.0, 2)  # too short to be a rate sample
     assert rates.rate("w") == pytest.approx(0.03)
+    rates.observe("v", 1.0, 100)
+    assert rates.rate("never-seen") == pytest.approx((0.03 + 0.01) / 2)  # the mean of the measured
     rates.forget({"x"})
     assert rates.rate("w") == 1.0
 

@@ -1,0 +1,126 @@
+"""Cache-aware routing end to end: nats + S3 + cache-index + 2 prefill + 1 decode + ingress subprocesses.
+
+`ingress-0` routes by cost (the default); `ingress-rr` is a second ingress
+on the same bus with the real setting `ingress.routing=round_robin`, used to
+put a prefix on a chosen worker and to force a session to alternate
+between the two prefill workers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ingress.serving_stack import ServingStack, make_stack
+from shared.config import EngineSettings
+from shared.stack.servers import NatsServer, S3Server, free_port
+
+KEYS = {"sk-route": "route"}
+BLOCK = EngineSettings().block_size
+PREFILLS = ("prefill-0", "prefill-1")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
+          ) -> Iterator[ServingStack]:
+    root = tmp_path_factory.mktemp("routing-stack")
+    nats = NatsServer(data_dir=root / "nats")
+    nats.start()
+    s = make_stack(root, nats, s3_server, tiny_model_dir, KEYS)
+    try:
+        ports = {w: s.start(svc, w) for svc, w in (("cache_index", "index-0"), ("prefill", "prefill-0"),
+                                                  ("prefill", "prefill-1"), ("decode", "decode-0"))}
+        for worker, port in ports.items():
+            s.wait_ready(port, worker)
+        s.start_ready("ingress", "ingress-0")
+        rr_port = free_port()
+        base = dict(s.extra_env)
+        s.extra_env.update(KVMESH_INGRESS__ROUTING="round_robin", KVMESH_INGRESS__PORT=str(rr_port))
+        try:
+            s.start_ready("ingress", "ingress-rr")
+        finally:
+            s.extra_env = base
+        s.rr_url = f"http://127.0.0.1:{rr_port}"  # type: ignore[attr-defined]
+        yield s
+    finally:
+        s.stop()
+        nats.stop()
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-route", max_retries=0, timeout=60)
+
+
+def complete(stack: ServingStack, base_url: str, prompt: str, max_tokens: int = 8) -> tuple[str, int, str]:
+    """(prefill worker, cached tokens, text) of one greedy completion."""
+    raw = client(base_url).completions.with_raw_response.create(model=stack.model_dir.name, prompt=prompt,
+                                                                max_tokens=max_tokens, temperature=0)
+    got = raw.parse()
+    prefill = re.search(r"prefill=([^;]+)", raw.headers["kvmesh-route"]).group(1)
+    return prefill, got.usage.prompt_tokens_details.cached_tokens, got.choices[0].text
+
+
+def seed_on(stack: ServingStack, worker: str, prompt: str) -> None:
+    """Prefill `prompt` on `worker` only, through the round-robin ingress, then let the index learn it.
+
+    A block-less filler advances the rotation until the next turn is `worker`'s (two prefill workers).
+    """
+    rr = stack.rr_url  # type: ignore[attr-defined]
+    while complete(stack, rr, "ping", max_tokens=1)[0] == worker:
+        pass
+    assert complete(stack, rr, prompt, max_tokens=1)[0] == worker
+    time.sleep(1.0)  # the index applies KV events (batched 20 ms) and heartbeats show the worker idle again
+
+
+def metric(stack: ServingStack, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{stack.base_url}/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_returning_session_goes_to_the_prefix_holder_without_affinity(stack: ServingStack) -> None:
+    for holder in ("prefill-1", "prefill-0"):  # each worker once: not just the load-order tie-break
+        context = f"Agent transcript for worker {holder}. " + "The tool returned file listing number 7. " * 12
+        seed_on(stack, holder, context)
+        for turn in range(2):
+            prefill, cached, _ = complete(stack, stack.base_url, context + f" Turn {turn}: what next?")
+            assert prefill == holder, (turn, prefill)
+            assert cached >= (len(context) // 8 // BLOCK) * BLOCK > 0  # most of the context's blocks hit
+            time.sleep(1.0)  # two heartbeat intervals: the finished request no longer counts as the holder's load
+
+
+def test_alternating_workers_reuse_the_prefix_from_peer_or_l3(stack: ServingStack) -> None:
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load_model
+    from shared.engine.sampling import SamplingParams
+
+    loaded = load_model(stack.model_dir)
+    engine = Engine(loaded, EngineSettings(num_blocks=256))
+    session = "System: you are a coding agent. " + "Observation: the build log says tests passed. " * 10
+    workers = []
+    for turn in range(3):
+        session += f" User turn {turn}: continue."
+        prefill, cached, text = complete(stack, stack.rr_url, session)  # type: ignore[attr-defined]
+        workers.append(prefill)
+        ref = engine.generate([loaded.tokenizer.encode(session)], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert text == ref.text, turn
+        if turn:
+            # this worker did not run the previous turn: the shared prefix came from the peer or L3
+            assert cached >= BLOCK, (turn, prefill, cached)
+        session += text
+        time.sleep(0.3)
+    assert workers[0] != workers[1] != workers[2]
+
+
+def test_index_down_routes_by_load_and_counts(stack: ServingStack) -> None:
+    before = metric(stack, "kvmesh_ingress_routing_degraded_total")
+    stack.procs.pop("index-0").stop(grace_s=3.0)
+    prompt = "With the index gone the ingress still answers. " * 4
+    seen = {complete(stack, stack.base_url, prompt + str(i), max_tokens=2)[0] for i in range(3)}
+    assert seen <= set(PREFILLS)
+    assert metric(stack, "kvmesh_ingress_routing_degraded_total") >= before + 3
