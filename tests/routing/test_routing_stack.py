@@ -94,6 +94,21 @@ def test_returning_session_goes_to_the_prefix_holder_without_affinity(stack: Ser
             time.sleep(1.0)  # two heartbeat intervals: the finished request no longer counts as the holder's load
 
 
+def test_an_overloaded_holder_sheds_the_prefix_to_the_other_worker(stack: ServingStack) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    context = "Shared hot system prompt of a popular agent. " + "Rules: be brief, cite files, run tests. " * 12
+    seed_on(stack, "prefill-1", context)
+    assert complete(stack, stack.base_url, context + " Q?")[0] == "prefill-1"  # alone: the holder
+    time.sleep(1.0)
+    with ThreadPoolExecutor(6) as pool:  # six at once, each in flight on its prefill worker until it finishes
+        routes = list(pool.map(lambda i: complete(stack, stack.base_url, context + f" Q{i}?", max_tokens=48),
+                               range(6)))
+    chosen = [r[0] for r in routes]
+    assert set(chosen) == set(PREFILLS), chosen  # the holder's load sent some elsewhere
+    assert all(cached > 0 for _, cached, _ in routes)  # the others got the prefix from the peer or L3
+
+
 def test_alternating_workers_reuse_the_prefix_from_peer_or_l3(stack: ServingStack) -> None:
     from shared.engine.engine import Engine
     from shared.engine.loader import load_model
