@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from shared.config import Settings
+from shared.engine.checkpoint_error import CheckpointError
 from shared.engine.tokenizer import Tokenizer
 from shared.ingress.admission import IngressState
 from shared.ingress.app import create_app
@@ -64,6 +65,18 @@ def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metr
     )
 
 
+async def _prefix_locator(ctx: ServiceContext, model_dir: Path) -> PrefixLocator | None:
+    """Cache-aware routing needs the weights' fingerprint; without readable weights the ingress routes by load."""
+    s = ctx.settings
+    try:
+        fingerprint = await asyncio.to_thread(model_fingerprint, model_dir, s.engine.dtype)
+    except CheckpointError as exc:
+        log.warning("no model fingerprint: prefill is routed by load only", error=str(exc))
+        return None
+    return PrefixLocator.create(ctx.nc, fingerprint, s.engine.block_size, s.ingress.index_timeout_s,
+                                ctx.metrics.registry)
+
+
 async def setup(ctx: ServiceContext) -> None:
     settings = ctx.settings
     if settings.model_dir is None:
@@ -73,9 +86,7 @@ async def setup(ctx: ServiceContext) -> None:
     table = WorkerTable()
     watch = asyncio.create_task(table.run(ctx.js))
     metrics = IngressMetrics.create(ctx.metrics.registry)
-    fingerprint = await asyncio.to_thread(model_fingerprint, model_dir, settings.engine.dtype)
-    locator = PrefixLocator.create(ctx.nc, fingerprint, settings.engine.block_size, settings.ingress.index_timeout_s,
-                                   ctx.metrics.registry)
+    locator = await _prefix_locator(ctx, model_dir)
     gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator)
     state = build_state(settings, gateway, tokenizer, metrics, model_dir)
     app = create_app(state, ctx.metrics.registry)

@@ -199,7 +199,7 @@ class RequestRun:
 
     async def _choose_prefill(self, exclude: tuple[str, ...]) -> str:
         """Where the prompt's prefix is cheapest to extend (cache index), else by load; see router.py."""
-        if self.gw.locator is None:
+        if self.gw.locator is None or self.gw.router.mode != "cost":
             return self._choose(Role.PREFILL, exclude)
         req, block_size = self.req, self.gw.locator.block_size
         reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt)

@@ -99,3 +99,12 @@ def test_ingress_fingerprint_and_hashes_match_the_loaded_model(tmp_path: Path):
     ids = list(range(3, 3 + 5 * BLOCK))
     assert hash_blocks(ids, BLOCK, HashKeys(model_fingerprint(model_dir), b"\x01")) == \
         hash_blocks(ids, BLOCK, HashKeys(loaded.fingerprint, b"\x01"))
+
+
+def test_no_weights_no_fingerprint(tmp_path: Path):
+    from shared.engine.checkpoint_error import CheckpointError
+
+    model_dir = write_preset(tmp_path / "m", "tiny", "llama", seed=3)
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError):  # the ingress then routes by load only (service._prefix_locator)
+        model_fingerprint(model_dir)
