@@ -53,11 +53,11 @@ def recovery_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float
     return max(bad) - healed_at if bad else 0.0
 
 
-def nothing_pending(nats_url: str, timeout_s: float = 30.0) -> bool:
+def nothing_pending(nats_urls: list[str], timeout_s: float = 30.0) -> bool:
     """JOBS and HANDOFF drain to zero messages: no acknowledged job is pending forever."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(asyncio.run(stream_backlog(nats_url)).values()):
+        if not any(asyncio.run(stream_backlog(nats_urls)).values()):
             return True
         time.sleep(0.5)
     return False

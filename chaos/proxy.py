@@ -126,6 +126,10 @@ class FaultProxy:
             if self._server is not None:
                 self._server.close()
             self._reset_all()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), loop).result(5)
         loop.call_soon_threadsafe(loop.stop)

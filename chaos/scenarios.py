@@ -19,7 +19,7 @@ from typing import Any
 
 from chaos import invariants, l3_corrupt
 from chaos.load import Load, Outcome
-from chaos.proxy import Fault
+from chaos.proxy import Fault, FaultProxy
 from chaos.report import counts, plot
 from chaos.stack import API_KEY, ChaosStack
 
@@ -49,12 +49,19 @@ def _restart(service_id: str) -> Step:
     return lambda stack: stack.restart(service_id)
 
 
+def _proxies(stack: ChaosStack, which: str) -> list[FaultProxy]:
+    return stack.nats_proxies if which == "nats" else [stack.s3_proxy]
+
+
 def _proxy(which: str, fault: Fault) -> Step:
-    return lambda stack: getattr(stack, which).set(fault)
+    def step(stack: ChaosStack) -> None:
+        for proxy in _proxies(stack, which):
+            proxy.set(fault)
+    return step
 
 
 def _proxy_heal(which: str) -> Step:
-    return lambda stack: getattr(stack, which).heal()
+    return _proxy(which, Fault())
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -63,13 +70,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("prefill-kill", "SIGKILL a prefill worker holding jobs; the ingress retries them elsewhere",
              _kill("prefill-0"), cleanup=_restart("prefill-0"), timed_fault=False),
     Scenario("worker-latency", "40 ms +- 20 ms added between every worker and NATS",
-             _proxy("nats_proxy", Fault(latency_ms=40, jitter_ms=20)), _proxy_heal("nats_proxy")),
+             _proxy("nats", Fault(latency_ms=40, jitter_ms=20)), _proxy_heal("nats")),
     Scenario("s3-slow", "300 ms +- 100 ms and a 2 MB/s cap between the workers and S3",
-             _proxy("s3_proxy", Fault(latency_ms=300, jitter_ms=100, bandwidth_bps=2e6)), _proxy_heal("s3_proxy")),
+             _proxy("s3", Fault(latency_ms=300, jitter_ms=100, bandwidth_bps=2e6)), _proxy_heal("s3")),
     Scenario("s3-outage", "every worker connection to S3 reset; L3 must degrade to a miss, not an error",
-             _proxy("s3_proxy", Fault(reset=True)), _proxy_heal("s3_proxy")),
+             _proxy("s3", Fault(reset=True)), _proxy_heal("s3")),
     Scenario("ingress-restart", "SIGKILL the ingress; clients get a clean connection error, then it comes back",
              _kill("ingress-0"), _restart("ingress-0"), timed_fault=True),
+    Scenario("nats-leader-kill", "SIGKILL the NATS node leading the JOBS stream (3-node cluster, R3 streams), "
+             "restart it after the fault window", lambda stack: stack.kill_nats_leader(),
+             lambda stack: stack.restart_dead_nats()),
     Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a worker reading them counts checksum misses "
              "and still answers the reference", _nothing, timed_fault=False, probe=l3_corrupt.probe),
 )}
@@ -119,7 +129,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
         "invariants": {
             "outputs_identical": invariants.ok_outputs_identical(outcomes, refs),
             "errors_clean": invariants.errors_clean(outcomes, load.request_timeout_s),
-            "nothing_pending": invariants.nothing_pending(stack.nats.url),
+            "nothing_pending": invariants.nothing_pending(stack.nats_urls),
             "recovered": first_good is not None,
             **probed,
         },

@@ -1,6 +1,8 @@
 """The stack a chaos scenario runs against: real NATS, real S3, 2 prefill + 2 decode workers, one ingress.
 
-Workers reach NATS and S3 through a `FaultProxy` each (the ingress reaches
+NATS is one node or a cluster of `nats_nodes` (JetStream streams then R3,
+every node syncing always), so a stream leader can be killed. Workers reach
+each NATS node and S3 through a `FaultProxy` of its own (the ingress reaches
 NATS directly), so latency, blackholes and resets can be injected between
 the workers and their dependencies. Every process is a child started with
 `python -m services.<name>`; `stop()` kills them all by PID and checks that
@@ -32,13 +34,18 @@ BUCKET = "kvmesh-chaos"
 class ChaosStack:
     root: Path
     model_dir: Path
-    nats: NatsServer = field(init=False)
+    nats_nodes: int = 1
+    nats: list[NatsServer] = field(default_factory=list)
     s3: S3Server = field(init=False)
-    nats_proxy: FaultProxy = field(init=False)
+    nats_proxies: list[FaultProxy] = field(default_factory=list)
     s3_proxy: FaultProxy = field(init=False)
     ingress_port: int = field(default_factory=free_port)
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)  # service id -> its side HTTP port
+
+    @property
+    def nats_urls(self) -> list[str]:
+        return [node.url for node in self.nats]
 
     @property
     def base_url(self) -> str:
@@ -46,13 +53,14 @@ class ChaosStack:
 
     def start(self, ready_timeout_s: float = 120.0) -> ChaosStack:
         """NATS, S3, proxies, streams, bucket, then every service; returns once all are ready and live."""
-        self.nats = NatsServer(data_dir=self.root / "nats")
-        self.nats.start()
+        self.nats = _nats_nodes(self.root, self.nats_nodes)
+        for node in self.nats:
+            node.start()
         self.s3 = S3Server(data_dir=self.root / "s3")
         self.s3.start()
         self.s3.ensure_bucket(BUCKET)
-        asyncio.run(_declare(self.nats.url))
-        self.nats_proxy = FaultProxy(self.nats.port).start()
+        asyncio.run(_declare(self.nats_urls, 3 if self.nats_nodes >= 3 else 1, ready_timeout_s))
+        self.nats_proxies = [FaultProxy(node.port).start() for node in self.nats]
         self.s3_proxy = FaultProxy(self.s3.port).start()
         for worker in PREFILLS:
             self.spawn("prefill", worker)
@@ -68,7 +76,8 @@ class ChaosStack:
         via_proxy = service_id != "ingress-0"
         env = dict(os.environ)
         env.update(
-            KVMESH_NATS_URL=f"nats://{self.nats_proxy.endpoint}" if via_proxy else self.nats.url,
+            KVMESH_NATS_URL=",".join(f"nats://{p.endpoint}" for p in self.nats_proxies) if via_proxy
+            else ",".join(self.nats_urls),
             KVMESH_STATE_DIR=str(self.root / "state"),
             KVMESH_MODEL_DIR=str(self.model_dir),
             KVMESH_SERVICE__WORKER_ID=service_id,
@@ -123,13 +132,30 @@ class ChaosStack:
         """Every worker's heartbeat is live in NATS (the ingress routes to all of them)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if set(PREFILLS + DECODES) <= asyncio.run(_alive(self.nats.url)):
+            if set(PREFILLS + DECODES) <= asyncio.run(_alive(self.nats_urls)):
                 return
             time.sleep(0.3)
         raise TimeoutError("workers did not all become live")
 
     def signal(self, service_id: str, sig: int) -> None:
         os.kill(self.procs[service_id].pid, sig)
+
+    def kill_nats_leader(self, stream: str = "JOBS") -> str:
+        """SIGKILL the NATS node that leads `stream` (a cluster only); returns its server name."""
+        if len(self.nats) < 3:
+            raise RuntimeError("a leader kill needs the 3-node cluster (nats_nodes=3)")
+        leader = asyncio.run(_stream_leader(self.nats_urls, stream))
+        node = next(n for n in self.nats if n.server_name == leader)
+        assert node.process is not None
+        os.kill(node.process.pid, signal.SIGKILL)
+        node.process.proc.wait(10)
+        return leader
+
+    def restart_dead_nats(self) -> None:
+        """Start every NATS node whose process has died again, on its old ports and store."""
+        for node in self.nats:
+            if node.process is not None and node.process.proc.poll() is not None:
+                node.start()
 
     def log(self, service_id: str) -> str:
         path = self.root / "logs" / f"{service_id}.log"
@@ -147,50 +173,81 @@ class ChaosStack:
                     pass
             proc.stop(grace_s=3.0)
         self.procs.clear()
-        for name in ("nats_proxy", "s3_proxy"):
-            if hasattr(self, name):
-                proxy: FaultProxy = getattr(self, name)
-                ports.append(proxy.port)
-                proxy.stop()
-        for name in ("nats", "s3"):
-            if hasattr(self, name):
-                server = getattr(self, name)
-                if server.process is not None:
-                    pids.append(server.process.pid)
-                    ports.append(server.port)
-                server.stop()
+        for proxy in self.nats_proxies + ([self.s3_proxy] if hasattr(self, "s3_proxy") else []):
+            ports.append(proxy.port)
+            proxy.stop()
+        for server in self.nats + ([self.s3] if hasattr(self, "s3") else []):
+            if server.process is not None:
+                pids.append(server.process.pid)
+                ports.append(server.port)
+            server.stop()
         return [f"pid {p}" for p in pids if pid_alive(p)] + [f"port {p}" for p in ports if port_in_use(p)]
 
 
-async def _declare(nats_url: str) -> None:
+def _nats_nodes(root: Path, n: int) -> list[NatsServer]:
+    """One node, or n nodes routed to each other (cluster ports picked now, so every node knows the others)."""
+    if n <= 1:
+        return [NatsServer(data_dir=root / "nats")]
+    ports = [free_port() for _ in range(n)]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in ports]
+    return [NatsServer(data_dir=root / f"nats-{i}", server_name=f"n{i}",
+                       cluster={"name": "kvmesh-chaos", "port": ports[i], "no_advertise": True,
+                                "routes": [r for j, r in enumerate(routes) if j != i]})
+            for i in range(n)]
+
+
+async def _declare(nats_urls: list[str], replicas: int, timeout_s: float) -> None:
+    """Declare every stream; a fresh cluster answers only once it has elected a meta leader, so retry."""
     import nats
+    from nats.js.errors import Error as JsError
 
     from shared.protocol.streams import declare_all
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_urls)
     try:
-        await declare_all(nc.jetstream())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await declare_all(nc.jetstream(), replicas)
+                return
+            except (JsError, nats.errors.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await nc.close()
 
 
-async def _alive(nats_url: str) -> set[str]:
+async def _alive(nats_urls: list[str]) -> set[str]:
     import nats
 
     from shared.service.watch import alive_workers
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_urls)
     try:
         return set(await alive_workers(nc.jetstream()))
     finally:
         await nc.close()
 
 
-async def stream_backlog(nats_url: str, streams: tuple[str, ...] = ("JOBS", "HANDOFF")) -> dict[str, int]:
+async def _stream_leader(nats_urls: list[str], stream: str) -> str:
+    import nats
+
+    nc = await nats.connect(servers=nats_urls)
+    try:
+        info = await nc.jetstream().stream_info(stream)
+        if info.cluster is None or not info.cluster.leader:
+            raise RuntimeError(f"stream {stream} reports no cluster leader")
+        return info.cluster.leader
+    finally:
+        await nc.close()
+
+
+async def stream_backlog(nats_urls: list[str], streams: tuple[str, ...] = ("JOBS", "HANDOFF")) -> dict[str, int]:
     """Messages still held by each work-queue stream (acked ones are deleted): 0 means nothing is pending."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_urls)
     try:
         js = nc.jetstream()
         return {name: int((await js.stream_info(name)).state.messages) for name in streams}

@@ -31,6 +31,7 @@ def run(
     names: Annotated[Optional[list[str]], typer.Argument(help="Scenarios to run (default: all).")] = None,
     duration: Annotated[float, typer.Option(help="Seconds each timed fault lasts.")] = 10.0,
     sessions: Annotated[int, typer.Option(help="Concurrent greedy client sessions.")] = 3,
+    nats_nodes: Annotated[int, typer.Option(help="NATS nodes: 3 = a cluster with R3 streams (nats-leader-kill).")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON report per line.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG timeline per scenario here.")] = None,
 ) -> None:
@@ -51,7 +52,8 @@ def run(
     failed = False
     with tempfile.TemporaryDirectory(prefix="kvmesh-chaos-") as tmp:
         root = Path(tmp)
-        stack = ChaosStack(root, write_preset(root / "tiny-llama", "tiny", "llama", seed=0))
+        stack = ChaosStack(root, write_preset(root / "tiny-llama", "tiny", "llama", seed=0),
+                           nats_nodes=nats_nodes)
         try:
             typer.echo("starting the stack...", err=True)
             stack.start()

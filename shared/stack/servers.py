@@ -190,6 +190,7 @@ class NatsServer:
                 f"  name: {json.dumps(self.cluster['name'])}",
                 f"  listen: {json.dumps(self.host + ':' + str(self.cluster['port']))}",
                 f"  routes: [{routes}]",
+                *(["  no_advertise: true"] if self.cluster.get("no_advertise") else []),  # clients keep their URLs
                 "}",
             ]
         return "\n".join(lines) + "\n"

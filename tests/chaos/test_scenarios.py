@@ -1,4 +1,4 @@
-"""Every chaos scenario, short form, against one shared real stack (NATS, S3, 2+2 workers, ingress).
+"""Every chaos scenario, short form, against one shared real stack (3-node NATS, S3, 2+2 workers, ingress).
 
 Scenarios run in a fixed order on the same stack; each heals and restores
 full strength in its cleanup, so the next starts healthy. A scenario passes
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
     root = tmp_path_factory.mktemp("chaos")
     model = write_preset(root / "tiny-llama", "tiny", "llama", seed=0)
-    s = ChaosStack(root, model)
+    s = ChaosStack(root, model, nats_nodes=3)
     try:
         yield s.start()
     finally:
@@ -46,3 +46,8 @@ def test_scenario(stack: ChaosStack, refs: dict[str, str], name: str, tmp_path: 
     assert report["requests"]["ok"] > 0
     assert report["invariants"] == {k: True for k in report["invariants"]}, report
     assert Path(report["plot"]).stat().st_size > 0
+
+
+def test_stop_leaks_nothing(stack: ChaosStack) -> None:
+    """Runs last: stopping the shared stack leaves no process alive and no port bound (stop is idempotent)."""
+    assert stack.stop() == []
