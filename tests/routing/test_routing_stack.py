@@ -117,16 +117,20 @@ def test_alternating_workers_reuse_the_prefix_from_peer_or_l3(stack: ServingStac
     loaded = load_model(stack.model_dir)
     engine = Engine(loaded, EngineSettings(num_blocks=256))
     session = "System: you are a coding agent. " + "Observation: the build log says tests passed. " * 10
-    workers = []
+    workers, lengths = [], []
     for turn in range(3):
-        session += f" User turn {turn}: continue."
+        session += f" User turn {turn}: continue. Tool output: " + f"file_{turn}.py changed, lint clean. " * 6
+        ids = loaded.tokenizer.encode(session)
         prefill, cached, text = complete(stack, stack.rr_url, session)  # type: ignore[attr-defined]
         workers.append(prefill)
-        ref = engine.generate([loaded.tokenizer.encode(session)], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        lengths.append(len(ids))
+        ref = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
         assert text == ref.text, turn
         if turn:
-            # this worker did not run the previous turn: the shared prefix came from the peer or L3
-            assert cached >= BLOCK, (turn, prefill, cached)
+            # the previous turn ran on the other worker only: its blocks beyond what this worker computed
+            # itself (turn - 2) came from the peer or L3, not from a recompute
+            own = lengths[turn - 2] if turn >= 2 else 0
+            assert cached >= (lengths[turn - 1] // BLOCK - 1) * BLOCK > own, (turn, prefill, cached, lengths)
         session += text
         time.sleep(0.3)
     assert workers[0] != workers[1] != workers[2]
