@@ -63,7 +63,8 @@ def _complete(client: openai.OpenAI, model: str, prompt: str, key: str) -> tuple
     return raw.parse().choices[0].text, raw.headers.get("kvmesh-route", "")
 
 
-def probe(stack: ChaosStack, timeout_s: float = 60.0) -> dict[str, bool]:
+def probe(stack: ChaosStack, refs_unused: dict[str, str], timeout_s: float = 60.0) -> dict[str, bool]:
+    """Warm P on prefill-0, corrupt every L3 object, read P back through prefill-1; the invariants it saw."""
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     model = stack.model_dir.name
     prefix = f"Lighthouse log {time.time_ns()}: " + "the tide rose over the rocks and fell back again, " * 12

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import invariants, l3_corrupt
+from chaos import invariants, l3_corrupt, overload
 from chaos.load import Load, Outcome
 from chaos.proxy import Fault, FaultProxy
 from chaos.report import counts, plot
@@ -38,7 +38,7 @@ class Scenario:
     heal: Step = _nothing
     cleanup: Step = _nothing
     timed_fault: bool = True  # False: the fault is an instant (a kill); heal follows at once
-    probe: Callable[[ChaosStack], dict[str, bool]] | None = None  # checks of its own inside the fault window
+    probe: Callable[[ChaosStack, dict[str, str]], dict[str, bool]] | None = None  # own checks in the fault window
 
 
 def _kill(service_id: str) -> Step:
@@ -82,6 +82,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              lambda stack: stack.restart_dead_nats()),
     Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a worker reading them counts checksum misses "
              "and still answers the reference", _nothing, timed_fault=False, probe=l3_corrupt.probe),
+    Scenario("overload", f"a burst of {overload.BURST} requests over an in-flight limit of {overload.OVERLOAD_LIMIT}: "
+             "429/503 + Retry-After at once, admitted ones correct", _nothing, timed_fault=False,
+             probe=overload.probe),
 )}
 
 
@@ -106,7 +109,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
     _wait(lambda: len(load.outcomes) >= 2 * sessions, 60)
     fault_at = time.monotonic()
     scenario.inject(stack)
-    probed = scenario.probe(stack) if scenario.probe is not None else {}
+    probed = scenario.probe(stack, refs) if scenario.probe is not None else {}
     if scenario.timed_fault:
         _wait(lambda: time.monotonic() - fault_at >= duration_s, duration_s)
     scenario.heal(stack)

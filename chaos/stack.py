@@ -92,6 +92,7 @@ class ChaosStack:
             KVMESH_INGRESS__PORT=str(self.ingress_port),
             KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
             KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5",
+            KVMESH_INGRESS__MAX_IN_FLIGHT="6",  # chaos.overload.OVERLOAD_LIMIT: the steady load stays below it
             KVMESH_S3_ENDPOINT=self.s3_proxy.endpoint if via_proxy else self.s3.endpoint,
             KVMESH_S3_ACCESS_KEY=self.s3.access_key,
             KVMESH_S3_SECRET_KEY=self.s3.secret_key,

@@ -84,7 +84,9 @@ def error_response(exc: ApiError, path: str) -> JSONResponse:
 
 
 def gateway_api_error(exc: GatewayError) -> ApiError:
-    return ApiError(exc.kind, exc.message)
+    """A retriable overload tells the client when to come back (Retry-After), as a rate limit does."""
+    retry = 1.0 if exc.kind is ErrorKind.OVERLOADED and exc.retriable else None
+    return ApiError(exc.kind, exc.message, retry_after_s=retry)
 
 
 def create_app(state: IngressState, registry: CollectorRegistry | None = None) -> FastAPI:

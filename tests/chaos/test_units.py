@@ -110,3 +110,14 @@ def test_miss_counters_exported_to_prometheus() -> None:
     counters.record(Miss(Tier.L3, MissReason.CHECKSUM))
     text = generate_latest(registry).decode()
     assert 'kvmesh_tier_miss_total{reason="checksum",tier="L3"} 2.0' in text
+
+
+def test_overload_error_carries_retry_after() -> None:
+    """Found by the overload scenario: a 503 for too many in flight had no Retry-After."""
+    from shared.ingress.app import gateway_api_error
+    from shared.ingress.errors import Dialect, ErrorKind
+    from shared.ingress.gateway import GatewayError
+
+    busy = gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "too many requests in flight (6)"))
+    assert busy.status(Dialect.OPENAI) == 503 and busy.headers() == {"retry-after": "1"}
+    assert gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "gone", retriable=False)).headers() == {}
