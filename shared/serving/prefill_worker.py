@@ -6,8 +6,9 @@ For each `PrefillJob` (idempotent on request_id + attempt):
 3. register the prompt's full blocks in its L2 (+ queued L3 upload) and pin
    what the job's `pins` ask for;
 4. publish TokenEvent seq 0 (before step 3: the first token does not wait
-   for the tiers), then the `DecodeJob` (handles + first token) to
-   `handoff(decode_worker)`; the job is acked once that publish is.
+   for the tiers; nor does a final one, unless the job pins), then the
+   `DecodeJob` (handles + first token) to `handoff(decode_worker)`; the job
+   is acked once that publish is.
 If the first token ends the request (eos, stop string, max_tokens 1) the
 seq-0 event is final and nothing is handed off. A named-cache job
 (`prefill_only`) writes its blocks to L3 with its TTL, waits for the write
@@ -107,13 +108,21 @@ class PrefillWorker:
         first = out.token_ids[0] if out.token_ids else None
         t2 = time.perf_counter()
         final_now = out.finish_reason == "stop" or job.sampling.max_tokens == 1
-        if not job.prefill_only and not final_now and not self.ledger.aborted(job.request_id):
-            # The first token goes out before the blocks are stored: TTFT does not wait for L2.
-            detok = IncrementalDetokenizer(self.rt.loaded.tokenizer, job.prompt_ids, job.sampling.stop)
-            detok.add(first)
-            # The decode worker primes its detokenizer with this token and continues from the same point.
-            await publish_event(self.publisher, self._event(job, token_ids=[first], text=detok.take_delta(False),
-                                                            **usage))
+        final = self._event(job, token_ids=[first], text=out.text, finished=True, finish_reason=out.finish_reason,
+                            **usage) if final_now else None
+        # The first token goes out before the blocks are stored: TTFT does not wait for L2. A final one
+        # too, unless the request pins blocks (the answer then means they are pinned).
+        final_sent = False
+        if not job.prefill_only and not self.ledger.aborted(job.request_id):
+            if not final_now:
+                detok = IncrementalDetokenizer(self.rt.loaded.tokenizer, job.prompt_ids, job.sampling.stop)
+                detok.add(first)
+                # The decode worker primes its detokenizer with this token and continues from the same point.
+                await publish_event(self.publisher, self._event(job, token_ids=[first],
+                                                                text=detok.take_delta(False), **usage))
+            elif not job.pins and final is not None:
+                await publish_event(self.publisher, final)
+                final_sent = True
         t3 = time.perf_counter()
         tiers = self.rt.tiers
         missing = tiers.missing(reach.hashes)
@@ -130,9 +139,9 @@ class PrefillWorker:
             return
         if self.ledger.aborted(job.request_id):  # the client left while this ran: hand nothing on
             return
-        if final_now:
-            await publish_event(self.publisher, self._event(job, token_ids=[first], text=out.text, finished=True,
-                                                            finish_reason=out.finish_reason, **usage))
+        if final is not None:
+            if not final_sent:
+                await publish_event(self.publisher, final)
             return
         handoff = DecodeJob(
             request_id=job.request_id, attempt=job.attempt, session_id=job.session_id, tenant=job.tenant,
