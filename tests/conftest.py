@@ -1,4 +1,4 @@
-"""Fixtures that start the real servers kvmesh talks to, on free loopback ports.
+"""Session fixtures: the real servers kvmesh talks to (free loopback ports) and the tiny checkpoints.
 
 Each server runs from a temporary directory and is stopped by PID at the
 end. Session-scoped instances are shared for speed; tests that kill or
@@ -12,7 +12,28 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine.presets import write_preset
 from shared.stack.servers import NatsServer, S3Server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama preset (Llama-3 rope scaling, untied lm_head, fp32), written once; tests must not modify it."""
+    return write_preset(tmp_path_factory.mktemp("tiny-llama"), "tiny", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 preset (q/k/v bias, tied embeddings, fp32)."""
+    return write_preset(tmp_path_factory.mktemp("tiny-qwen2"), "tiny", "qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir: Path):
+    """The tiny Llama preset, loaded once per session."""
+    from shared.engine.loader import load_model
+
+    return load_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

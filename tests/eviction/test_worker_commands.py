@@ -25,11 +25,11 @@ from .helpers import BS, PARAMS, PROMPT, l3_store
 
 
 @pytest.fixture
-async def worker(loaded):
-    engine = Engine(loaded, EngineSettings(block_size=BS, num_blocks=64))
+async def worker(tiny_loaded):
+    engine = Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=64))
     loop = EngineLoop(engine)
     loop.start()
-    l2 = HostTier(1 << 26, get_policy("lru"), loaded.fingerprint, "w-test")
+    l2 = HostTier(1 << 26, get_policy("lru"), tiny_loaded.fingerprint, "w-test")
     try:
         yield engine, loop, l2
     finally:
@@ -41,11 +41,11 @@ def cmd(command) -> WorkerCommand:
     return WorkerCommand(worker="w-test", command_id="c1", command=command)
 
 
-def cold_tokens(loaded) -> list[int]:
-    return Engine(loaded, EngineSettings(block_size=BS, num_blocks=64)).generate([PROMPT], PARAMS)[0].token_ids
+def cold_tokens(tiny_loaded) -> list[int]:
+    return Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=64)).generate([PROMPT], PARAMS)[0].token_ids
 
 
-async def test_demote_l1_to_l2_then_same_tokens_from_l2(worker, loaded) -> None:
+async def test_demote_l1_to_l2_then_same_tokens_from_l2(worker, tiny_loaded) -> None:
     engine, loop, l2 = worker
     first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
     hashes = engine.block_hashes(PROMPT)
@@ -60,7 +60,7 @@ async def test_demote_l1_to_l2_then_same_tokens_from_l2(worker, loaded) -> None:
     assert await loop.call(lambda e: e.import_blocks(blocks)) == 4
     again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
     assert again.cached_tokens == len(PROMPT) - BS  # all but the last block (its last token is recomputed)
-    assert again.token_ids == first.token_ids == cold_tokens(loaded)
+    assert again.token_ids == first.token_ids == cold_tokens(tiny_loaded)
 
 
 async def test_blocks_in_use_or_pinned_stay_in_l1(worker) -> None:
@@ -77,13 +77,13 @@ async def test_blocks_in_use_or_pinned_stay_in_l1(worker) -> None:
     assert (await handler.drop(hashes[:1], Tier.L1)).dropped == 0
 
 
-async def test_l2_to_l3_then_warm_back_and_same_tokens(worker, loaded, s3_server) -> None:
+async def test_l2_to_l3_then_warm_back_and_same_tokens(worker, tiny_loaded, s3_server) -> None:
     engine, loop, l2 = worker
     first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
     hashes = engine.block_hashes(PROMPT)
     exported = await loop.call(lambda e: e.export_blocks(hashes))
-    store = l3_store(s3_server, loaded.fingerprint, chunk_blocks=2)
-    handles = store.put_chain("shared", [encode_kv_block(kb, loaded.fingerprint) for kb in exported])
+    store = l3_store(s3_server, tiny_loaded.fingerprint, chunk_blocks=2)
+    handles = store.put_chain("shared", [encode_kv_block(kb, tiny_loaded.fingerprint) for kb in exported])
     for kb in exported:
         l2.put_block(kb)
     handler = CommandHandler(loop, l2, store)
@@ -99,4 +99,4 @@ async def test_l2_to_l3_then_warm_back_and_same_tokens(worker, loaded, s3_server
     blocks = [l2.get(h).to_kv_block() for h in hashes]
     assert await loop.call(lambda e: e.import_blocks(blocks)) == 4
     again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
-    assert again.cached_tokens > 0 and again.token_ids == first.token_ids == cold_tokens(loaded)
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids == cold_tokens(tiny_loaded)

@@ -24,17 +24,17 @@ from .helpers import BS, PARAMS, PROMPT
 from .test_service import service
 
 
-async def test_demote_advice_moves_a_real_workers_blocks(fresh_nats_server, loaded) -> None:
+async def test_demote_advice_moves_a_real_workers_blocks(fresh_nats_server, tiny_loaded) -> None:
     url, worker = fresh_nats_server.url, unique("w")
     async with connected(url, worker) as nc:
         js, metrics = nc.jetstream(), ServiceMetrics.create("test")
         pub = Publisher(js, FAST_BUS, metrics)
         events = KVEventPublisher(pub, worker, IndexSettings(flush_interval_s=0.01))
         await events.start(nc)
-        engine = Engine(loaded, EngineSettings(block_size=BS, num_blocks=64), listener=events)
+        engine = Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=64), listener=events)
         loop = EngineLoop(engine)
         loop.start()
-        l2 = HostTier(1 << 26, get_policy("lru"), loaded.fingerprint, worker)
+        l2 = HostTier(1 << 26, get_policy("lru"), tiny_loaded.fingerprint, worker)
         handler = CommandHandler(loop, l2, None, events)
         consumer = ConsumerLoop(js, command_consumer(worker), handler.on_message, pub, metrics, FAST_BUS, 2.0)
         task = asyncio.create_task(consumer.run())

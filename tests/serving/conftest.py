@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from shared.config import EngineSettings
-from shared.engine.presets import write_preset
 
 from .harness import BLOCK_SIZE
 
 
 @pytest.fixture(scope="session")
-def serving_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_preset(tmp_path_factory.mktemp("serving-tiny"), "tiny", "llama", seed=0)
-
-
-@pytest.fixture(scope="session")
-def reference(serving_model_dir: Path):
+def reference(tiny_loaded):
     """`generate(prompt_ids, max_tokens) -> output ids`: a fresh in-process engine per call, greedy (the reference)."""
     from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
     from shared.engine.sampling import SamplingParams
 
-    loaded = load_model(serving_model_dir)
+    loaded = tiny_loaded
 
     def generate(prompt_ids: list[int], max_tokens: int, **kw) -> list[int]:
         engine = Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=512))

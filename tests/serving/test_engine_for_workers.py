@@ -14,10 +14,10 @@ from .harness import BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
-def loaded(serving_model_dir):
+def loaded(tiny_model_dir):
     from shared.engine.loader import load_model
 
-    return load_model(serving_model_dir)
+    return load_model(tiny_model_dir)
 
 
 def _engine(loaded, num_blocks: int = 256) -> Engine:

@@ -26,11 +26,11 @@ SILENCE_S = 1.5  # the ingress's inter-token timeout, short for the test
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, s3_server, serving_model_dir, tmp_path_factory) -> Iterator[dict[str, str]]:
+def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[dict[str, str]]:
     asyncio.run(_declare(nats_server.url))
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("serving-faults")
-    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, serving_model_dir, state), state / "logs")
+    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state), state / "logs")
     names = {}
     try:
         for role, key in (("prefill", "pf-a"), ("prefill", "pf-b"), ("decode", "dc-a"), ("decode", "dc-b")):

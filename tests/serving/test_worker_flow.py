@@ -31,11 +31,11 @@ BUCKET = "kvmesh-serving-flow"
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, s3_server, serving_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
+def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
     asyncio.run(_declare(nats_server.url))
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("serving-flow")
-    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, serving_model_dir, state, audit_rate=1.0),
+    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state, audit_rate=1.0),
                         state / "logs")
     try:
         procs.start("prefill", unique("pf-"))

@@ -35,11 +35,3 @@ def make_chain_fixture():
 def fp() -> str:
     return FINGERPRINT
 
-
-@pytest.fixture(scope="session")
-def tiny_loaded(tmp_path_factory: pytest.TempPathFactory):
-    """The tiny synthetic checkpoint, loaded once per session (engine-backed tier tests)."""
-    from shared.engine.loader import load_model
-    from shared.engine.presets import write_preset
-
-    return load_model(write_preset(tmp_path_factory.mktemp("tiers-tiny"), "tiny", "llama", seed=0))
