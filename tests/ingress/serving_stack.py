@@ -13,12 +13,20 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port, spawn_process
+from shared.stack.servers import (
+    ManagedProcess,
+    NatsServer,
+    S3Server,
+    free_port,
+    spawn_process,
+)
 
 
 async def declare(nats_url: str) -> None:
@@ -151,3 +159,19 @@ def make_stack(root: Path, nats: NatsServer, s3: S3Server | None, model_dir: Pat
     if s3 is not None:
         s3.ensure_bucket(stack.bucket)
     return stack
+
+
+@contextmanager
+def one_of_each(root: Path, s3: S3Server, model_dir: Path, api_keys: dict[str, str]) -> Iterator[ServingStack]:
+    """A NATS server of its own plus one prefill, one decode and a ready ingress; all stopped on exit."""
+    nats = NatsServer(data_dir=root / "nats")
+    nats.start()
+    stack = make_stack(root, nats, s3, model_dir, api_keys)
+    try:
+        stack.start("prefill", "prefill-0")
+        stack.start("decode", "decode-0")
+        stack.start_ready("ingress", "ingress-0")  # ready = NATS + a live prefill and decode worker
+        yield stack
+    finally:
+        stack.stop()
+        nats.stop()

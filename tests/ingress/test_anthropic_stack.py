@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, one_of_each
 from shared.config import EngineSettings
-from shared.stack.servers import NatsServer, S3Server
+from shared.stack.servers import S3Server
 
 KEYS = {"sk-anth-a": "anth-a", "sk-anth-b": "anth-b"}
 BLOCK = EngineSettings().block_size
@@ -29,18 +29,8 @@ EPH = {"type": "ephemeral"}
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("anthropic-stack")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, s3_server, tiny_model_dir, KEYS)
-    try:
-        s.start("prefill", "prefill-0")
-        s.start("decode", "decode-0")
-        s.start_ready("ingress", "ingress-0")
+    with one_of_each(tmp_path_factory.mktemp("anthropic-stack"), s3_server, tiny_model_dir, KEYS) as s:
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 def client(stack: ServingStack, key: str = "sk-anth-a") -> anthropic.Anthropic:
