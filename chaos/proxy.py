@@ -91,6 +91,8 @@ class FaultProxy:
         self._writers.update((writer, up_writer))
         try:
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            pass  # stop() cancels open pipes; the server's callback must not log that as an error
         finally:
             for w in (writer, up_writer):
                 self._writers.discard(w)
