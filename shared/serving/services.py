@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shared.bus.consumer import typed
+from shared.eviction.worker_commands import CommandHandler, command_consumer
 from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
@@ -37,8 +38,18 @@ async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[str], None]) -
     ctx.on_stop.insert(0, sub.unsubscribe)
 
 
+def obey_eviction(ctx: ServiceContext, rt: WorkerRuntime) -> None:
+    """The eviction service's advice (demote / drop / warm) for this worker, applied to its engine and tiers.
+
+    Advice only: the engine never waits for it and refuses to move pinned or in-use blocks.
+    """
+    commands = CommandHandler(rt.engine, rt.tiers.l2, rt.tiers.l3, rt.events)
+    ctx.add_consumer(command_consumer(ctx.worker_id), commands.on_message)
+
+
 async def setup_prefill(ctx: ServiceContext) -> None:
     rt = await WorkerRuntime.start(ctx)
+    obey_eviction(ctx, rt)
     worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers)
     handler = typed(PrefillJob, worker.handle)
     await listen_for_aborts(ctx, worker.abort)
@@ -49,6 +60,7 @@ async def setup_prefill(ctx: ServiceContext) -> None:
 
 async def setup_decode(ctx: ServiceContext) -> None:
     rt = await WorkerRuntime.start(ctx)
+    obey_eviction(ctx, rt)
     audit = CacheAudit(rt.engine, ctx.settings.audit_rate, ctx.metrics.registry)
     ctx.on_stop.insert(0, audit.close)
     worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)
