@@ -18,16 +18,13 @@ import pytest
 from chaos.load import Load
 from chaos.scenarios import SCENARIOS, run
 from chaos.stack import API_KEY, ChaosStack
-from shared.engine.presets import write_preset
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    root = tmp_path_factory.mktemp("chaos")
-    model = write_preset(root / "tiny-llama", "tiny", "llama", seed=0)
-    s = ChaosStack(root, model, nats_nodes=3)
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ChaosStack]:
+    s = ChaosStack(tmp_path_factory.mktemp("chaos"), tiny_model_dir, nats_nodes=3)
     try:
         yield s.start()
     finally:
