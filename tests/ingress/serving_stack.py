@@ -102,33 +102,26 @@ class ServingStack:
         return port
 
     def wait_ready(self, port: int, worker_id: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[worker_id].proc
-            if proc.poll() is not None:
-                raise RuntimeError(f"{worker_id} exited {proc.returncode}:\n{self.log(worker_id)[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{worker_id} not ready in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
+        self._wait_200(worker_id, f"http://127.0.0.1:{port}/readyz", "not ready", timeout_s)
 
     def wait_http(self, worker_id: str, timeout_s: float = 60.0) -> None:
         """Wait until the ingress answers /healthz on its API port (it may be unready: no workers)."""
+        self._wait_200(worker_id, f"{self.base_url}/healthz", "API not up", timeout_s)
+
+    def _wait_200(self, worker_id: str, url: str, what: str, timeout_s: float) -> None:
+        """Poll `url` until it answers 200; fail early (with the log tail) if the process exits."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             proc = self.procs[worker_id].proc
             if proc.poll() is not None:
                 raise RuntimeError(f"{worker_id} exited {proc.returncode}:\n{self.log(worker_id)[-3000:]}")
             try:
-                if httpx.get(f"{self.base_url}/healthz", timeout=1.0).status_code == 200:
+                if httpx.get(url, timeout=1.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"{worker_id} API not up in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
+        raise TimeoutError(f"{worker_id} {what} in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
 
     def start_ready(self, service: str, worker_id: str) -> None:
         self.wait_ready(self.start(service, worker_id), worker_id)
