@@ -167,12 +167,7 @@ class ChaosStack:
         pids = [p.pid for p in self.procs.values()]
         ports = list(self.ports.values()) + [self.ingress_port]
         for proc in self.procs.values():
-            if proc.proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-                except ProcessLookupError:
-                    pass
-            proc.stop(grace_s=3.0)
+            proc.stop(grace_s=3.0)  # SIGCONT included: a paused (SIGSTOPped) worker still stops
         self.procs.clear()
         for proxy in self.nats_proxies + ([self.s3_proxy] if hasattr(self, "s3_proxy") else []):
             ports.append(proxy.port)

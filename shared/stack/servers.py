@@ -79,9 +79,10 @@ def wait_for_port(port: int, host: str, deadline_s: float, proc: subprocess.Pope
 
 
 def stop_pid(pid: int, grace_s: float = 5.0) -> None:
-    """SIGTERM, wait up to grace_s, then SIGKILL; returns once the process is gone."""
+    """SIGTERM (and SIGCONT: a stopped process cannot act on it), wait up to grace_s, then SIGKILL."""
     try:
         os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         return
     end = time.monotonic() + grace_s

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -134,13 +133,8 @@ class ServingStack:
         os.kill(self.procs[worker_id].pid, sig)
 
     def stop(self) -> None:
-        for worker_id, proc in list(self.procs.items()):
-            if proc.proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-                except ProcessLookupError:
-                    pass
-            proc.stop(grace_s=3.0)
+        for proc in self.procs.values():
+            proc.stop(grace_s=3.0)  # SIGCONT included: a paused (SIGSTOPped) worker still stops
         self.procs.clear()
 
 
