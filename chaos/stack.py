@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from chaos.proxy import FaultProxy
+from shared.stack.probe import wait_http_ok
 from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port, pid_alive, port_in_use, spawn_process
 
 API_KEY = "sk-chaos"
@@ -115,19 +115,10 @@ class ChaosStack:
         self.wait_live(timeout_s)
 
     def wait_ready(self, service_id: str, timeout_s: float) -> None:
-        url = f"http://127.0.0.1:{self.ports[service_id]}/readyz"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[service_id].proc
-            if proc.poll() is not None:
-                raise RuntimeError(f"{service_id} exited {proc.returncode}:\n{self.log(service_id)[-3000:]}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{service_id} not ready in {timeout_s}s:\n{self.log(service_id)[-3000:]}")
+        try:
+            wait_http_ok(f"http://127.0.0.1:{self.ports[service_id]}/readyz", timeout_s, self.procs[service_id].proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{service_id} not ready: {exc}\n{self.log(service_id)[-3000:]}") from None
 
     def wait_live(self, timeout_s: float) -> None:
         """Every worker's heartbeat is live in NATS (the ingress routes to all of them)."""

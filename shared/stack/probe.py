@@ -7,6 +7,8 @@ timeout so a hung server reads as "not ready", never as a hang.
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -60,6 +62,18 @@ def http_ok(url: str) -> bool:
             return resp.status == 200
     except (OSError, urllib.error.URLError, ValueError):
         return False
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    """Poll `url` until it answers 200: RuntimeError if `proc` exits first, TimeoutError at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode} before {url} answered 200")
+        if http_ok(url):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
 
 
 def s3_client(endpoint: str, creds: S3Credentials, secure: bool = False, timeout_s: float | None = None):

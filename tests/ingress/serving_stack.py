@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
+from shared.stack.probe import wait_http_ok
 from shared.stack.servers import (
     ManagedProcess,
     NatsServer,
@@ -108,19 +107,11 @@ class ServingStack:
         self._wait_200(worker_id, f"{self.base_url}/healthz", "API not up", timeout_s)
 
     def _wait_200(self, worker_id: str, url: str, what: str, timeout_s: float) -> None:
-        """Poll `url` until it answers 200; fail early (with the log tail) if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[worker_id].proc
-            if proc.poll() is not None:
-                raise RuntimeError(f"{worker_id} exited {proc.returncode}:\n{self.log(worker_id)[-3000:]}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{worker_id} {what} in {timeout_s}s:\n{self.log(worker_id)[-3000:]}")
+        """Poll `url` until 200; a failure carries the process's log tail."""
+        try:
+            wait_http_ok(url, timeout_s, self.procs[worker_id].proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{worker_id} {what}: {exc}\n{self.log(worker_id)[-3000:]}") from None
 
     def start_ready(self, service: str, worker_id: str) -> None:
         self.wait_ready(self.start(service, worker_id), worker_id)
