@@ -37,7 +37,7 @@ from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.streams import KV_EVENTS
 from shared.service.runner import ServiceContext
-from shared.service.watch import Change, alive_workers, watch_workers
+from shared.service.watch import Change, alive_workers, follow_workers
 
 log = get_logger(__name__)
 
@@ -212,18 +212,11 @@ class CacheIndex:
         log.info("worker purged from the index", worker=worker)
 
     async def _watch(self) -> None:
-        while True:  # the watcher dies with the connection; start it again when NATS is back
-            try:
-                async for change in watch_workers(self.js):
-                    if change.change is Change.DOWN:
-                        self._purge(change.worker_id)
-                    elif change.change is Change.UP and self.state.revive(change.worker_id):
-                        self._schedule_dump(change.worker_id)  # back under the same id after a purge
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep watching; purges wait until then
-                log.warning("worker watch failed; restarting", error=repr(exc))
-                await asyncio.sleep(1.0)
+        async for change in follow_workers(self.js):
+            if change.change is Change.DOWN:
+                self._purge(change.worker_id)
+            elif change.change is Change.UP and self.state.revive(change.worker_id):
+                self._schedule_dump(change.worker_id)  # back under the same id after a purge
 
     async def _snapshot_timer(self) -> None:
         while True:

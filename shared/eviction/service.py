@@ -39,7 +39,7 @@ from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.messages import Heartbeat, Role
 from shared.protocol.streams import KV_EVENTS
-from shared.service.watch import Change, watch_workers
+from shared.service.watch import Change, follow_workers
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Miss
 
@@ -171,18 +171,14 @@ class EvictionService:
             self.metrics.commands.labels(cmd.command.kind).inc()
 
     async def _watch(self) -> None:
-        while True:
-            try:
-                async for change in watch_workers(self.js):
-                    if change.change is Change.DOWN:
-                        self.view.forget_worker(change.worker_id)
-                    elif change.change is Change.UP and change.heartbeat and self._fresh(change.heartbeat):
-                        await self.warm(change.worker_id, f"{change.heartbeat.started_at.timestamp():.6f}")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the watch restarts; advice is best effort
-                log.warning("worker watch failed; restarting", error=repr(exc))
-                await asyncio.sleep(1.0)
+        async for change in follow_workers(self.js):
+            if change.change is Change.DOWN:
+                self.view.forget_worker(change.worker_id)
+            elif change.change is Change.UP and change.heartbeat and self._fresh(change.heartbeat):
+                try:
+                    await self.warm(change.worker_id, f"{change.heartbeat.started_at.timestamp():.6f}")
+                except Exception as exc:  # noqa: BLE001 - warming is advice: a worker that misses it just starts cold
+                    log.warning("warm advice not sent", worker=change.worker_id, error=repr(exc))
 
     def _fresh(self, hb: Heartbeat | None) -> bool:
         if hb is None or hb.role not in WARMED_ROLES:

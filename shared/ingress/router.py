@@ -1,6 +1,6 @@
 """Which worker gets a request: least loaded, with affinity by cache key or session.
 
-`WorkerTable` mirrors the `workers` heartbeat bucket (via `watch_workers`)
+`WorkerTable` mirrors the `workers` heartbeat bucket (via `follow_workers`)
 and adds the ingress's own in-flight count per worker, which moves at once
 while heartbeats lag by an interval. `Router.pick` scores a worker as
 (heartbeat load + own in-flight) / capacity. With an affinity key it takes
@@ -32,7 +32,7 @@ from shared.ingress.prefill_rates import PrefillRates
 from shared.ingress.routing_cost import FetchCosts, placement, prefill_cost
 from shared.log import get_logger
 from shared.protocol.messages import Heartbeat, Role
-from shared.service.watch import Change, WorkerChange, watch_workers
+from shared.service.watch import Change, WorkerChange, follow_workers
 
 log = get_logger(__name__)
 
@@ -76,7 +76,7 @@ class WorkerTable:
 
     async def run(self, js: JetStreamContext) -> None:
         """Follow the bucket until cancelled."""
-        async for change in watch_workers(js, updates=True):
+        async for change in follow_workers(js, updates=True):
             self.apply(change)
 
     def live(self, role: Role) -> list[str]:

@@ -2,19 +2,30 @@
 
 A worker is up from its first heartbeat until its entry is deleted (graceful
 stop) or expires (no heartbeat within its TTL; the server's expiry marker, or,
-should the watcher miss that, no heartbeat here for 1.5 TTLs). A worker that restarts under
-the same id (new `started_at`) is reported down, then up: its previous
-incarnation's state (cached blocks, in-flight jobs) is gone.
+should the watcher miss that, no heartbeat here for 1.5 TTLs, confirmed by
+reading the bucket: a watch whose consumer vanished in a NATS restart goes
+silent rather than failing, and must not declare the whole fleet down). A
+worker that restarts under the same id (new `started_at`) is reported down,
+then up: its previous incarnation's state (cached blocks, in-flight jobs) is
+gone.
+
+`watch_workers` ends with the watch (NATS gone, connection closed);
+`follow_workers` is what long-lived services use: it restarts a broken watch
+and reconciles across the gap, so a worker that died meanwhile is still
+reported down and one that stayed up is not reported up twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
 
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue, StopIterSentinel
 
@@ -43,18 +54,22 @@ class WorkerChange:
 
 
 async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIterator[WorkerChange]:
-    """Yield changes forever, starting with an UP for every worker alive now; close the generator to stop.
+    """Yield changes until the watch ends or fails, starting with an UP for every worker alive now.
 
     `updates=True` also yields UPDATE for every later heartbeat (load-aware routing reads them).
+    Raises `StaleWatch` when the bucket holds heartbeats the watch never delivered.
     """
     kv = await js.key_value(subjects.WORKERS_BUCKET)
     watcher = await kv.watchall()
     alive: dict[str, Heartbeat] = {}
-    seen: dict[str, float] = {}  # worker id -> monotonic time its latest heartbeat arrived here
+    seen: dict[str, _Seen] = {}
     try:
         while True:
-            for change in _sweep(alive, seen):
-                yield change
+            if lapsed := _lapsed(alive, seen):
+                await _confirm_lapsed(kv, lapsed, seen)
+                for wid in lapsed:
+                    del seen[wid]
+                    yield WorkerChange(Change.DOWN, wid, alive.pop(wid))
             try:
                 entry = await watcher.updates(timeout=_until_next_lapse(alive, seen))
             except nats.errors.TimeoutError:
@@ -65,10 +80,65 @@ async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIte
                 for change in _apply(entry, alive, seen, updates):
                     yield change
     finally:
+        await _stop(watcher)
+
+
+class StaleWatch(ConnectionError):
+    """The watch stopped delivering (its consumer was lost, e.g. in a NATS restart) without saying so."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    at: float  # monotonic time the worker's latest heartbeat arrived here
+    revision: int  # its sequence in the bucket's stream
+
+
+async def follow_workers(js: JetStreamContext, updates: bool = False,
+                         retry_s: float = 1.0) -> AsyncIterator[WorkerChange]:
+    """Like `watch_workers`, but forever: a failed watch is restarted after `retry_s`.
+
+    On each restart the workers reported up before are checked against the bucket:
+    those gone are reported DOWN, those still there under the same incarnation are
+    not reported UP again (UPDATE with `updates=True`), a new incarnation is DOWN+UP.
+    """
+    up: dict[str, Heartbeat] = {}
+    restart = False
+    while True:
+        try:
+            if restart:
+                alive = await alive_workers(js)
+                for wid in [w for w in up if w not in alive]:
+                    yield WorkerChange(Change.DOWN, wid, up.pop(wid))
+            async for change in watch_workers(js, updates):
+                for out in _reconcile(change, up, updates):
+                    yield out
+        except Exception as exc:  # noqa: BLE001 - NATS away or the watch broke: watch again
+            log.warning("worker watch failed; restarting", error=repr(exc))
+        restart = True
+        await asyncio.sleep(retry_s)
+
+
+def _reconcile(change: WorkerChange, up: dict[str, Heartbeat], updates: bool) -> list[WorkerChange]:
+    wid, hb = change.worker_id, change.heartbeat
+    if change.change is Change.DOWN or hb is None:
+        up.pop(wid, None)
+        return [change]
+    prev, up[wid] = up.get(wid), hb
+    if change.change is Change.UPDATE or prev is None:
+        return [change]
+    if prev.started_at == hb.started_at:  # up before the watch broke and still the same incarnation
+        return [WorkerChange(Change.UPDATE, wid, hb)] if updates else []
+    return [WorkerChange(Change.DOWN, wid, prev), WorkerChange(Change.UP, wid, hb)]
+
+
+async def _stop(watcher: KeyValue.KeyWatcher) -> None:
+    # On a dead connection stop() raises; that must not replace what is unwinding the
+    # generator (a CancelledError swallowed here leaves its task running forever).
+    with contextlib.suppress(nats.errors.Error, OSError):
         await watcher.stop()
 
 
-def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, float],
+def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, _Seen],
            updates: bool) -> list[WorkerChange]:
     if entry.operation in (KV_DEL, KV_PURGE):
         seen.pop(entry.key, None)
@@ -80,7 +150,7 @@ def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, f
         log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
         return []
     prev = alive.get(entry.key)
-    alive[entry.key], seen[entry.key] = hb, time.monotonic()
+    alive[entry.key], seen[entry.key] = hb, _Seen(time.monotonic(), entry.revision or 0)
     if prev is None:
         return [WorkerChange(Change.UP, entry.key, hb)]
     if prev.started_at != hb.started_at:
@@ -88,19 +158,27 @@ def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, f
     return [WorkerChange(Change.UPDATE, entry.key, hb)] if updates else []
 
 
-def _sweep(alive: dict[str, Heartbeat], seen: dict[str, float]) -> list[WorkerChange]:
+def _lapsed(alive: dict[str, Heartbeat], seen: dict[str, _Seen]) -> list[str]:
     # The server's expiry marker is the normal DOWN signal; this catches a marker the watcher
     # never saw (it was disconnected longer than the marker lived) from the heartbeat's own TTL.
     now = time.monotonic()
-    lapsed = [wid for wid, hb in alive.items() if now - seen[wid] > hb.ttl_s * LAPSE_FACTOR]
+    return [wid for wid, hb in alive.items() if now - seen[wid].at > hb.ttl_s * LAPSE_FACTOR]
+
+
+async def _confirm_lapsed(kv: KeyValue, lapsed: list[str], seen: dict[str, _Seen]) -> None:
+    """Raise `StaleWatch` if the bucket has a newer heartbeat of any `lapsed` worker than the watch gave."""
     for wid in lapsed:
-        seen.pop(wid)
-    return [WorkerChange(Change.DOWN, wid, alive.pop(wid)) for wid in lapsed]
+        try:
+            latest = await kv.get(wid)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # expired or deleted: down indeed
+        if (latest.revision or 0) > seen[wid].revision:
+            raise StaleWatch(f"the bucket holds heartbeats of {wid} that the watch never delivered")
 
 
-def _until_next_lapse(alive: dict[str, Heartbeat], seen: dict[str, float]) -> float:
+def _until_next_lapse(alive: dict[str, Heartbeat], seen: dict[str, _Seen]) -> float:
     now = time.monotonic()
-    waits = [seen[wid] + hb.ttl_s * LAPSE_FACTOR - now for wid, hb in alive.items()]
+    waits = [seen[wid].at + hb.ttl_s * LAPSE_FACTOR - now for wid, hb in alive.items()]
     return min(_MAX_WAIT_S, max(0.05, min(waits, default=_MAX_WAIT_S)))
 
 
@@ -116,5 +194,5 @@ async def alive_workers(js: JetStreamContext) -> dict[str, Heartbeat]:
             except ProtocolError as exc:
                 log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
     finally:
-        await watcher.stop()
+        await _stop(watcher)
     return alive

@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 
 from shared.log import get_logger
 from shared.protocol.messages import Role
-from shared.service.watch import Change, watch_workers
+from shared.service.watch import Change, follow_workers
 
 log = get_logger(__name__)
 
@@ -39,18 +39,11 @@ class PeerDirectory:
                 await self._task
 
     async def _watch(self) -> None:
-        while True:
-            try:
-                async for change in watch_workers(self.js):
-                    hb = change.heartbeat
-                    if change.worker_id == self.self_id or hb is None or hb.role not in _KV_ROLES:
-                        continue
-                    if change.change is Change.UP:
-                        self._peers[change.worker_id] = None
-                    else:
-                        self._peers.pop(change.worker_id, None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a broken watch only costs hits; try again
-                log.warning("worker watch failed", error=repr(exc))
-                await asyncio.sleep(1.0)
+        async for change in follow_workers(self.js):
+            hb = change.heartbeat
+            if change.worker_id == self.self_id or hb is None or hb.role not in _KV_ROLES:
+                continue
+            if change.change is Change.UP:
+                self._peers[change.worker_id] = None
+            elif change.change is Change.DOWN:
+                self._peers.pop(change.worker_id, None)

@@ -12,7 +12,7 @@ from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
 from shared.protocol.messages import Role
 from shared.service.heartbeat import HeartbeatLoop
-from shared.service.watch import Change, WorkerChange, alive_workers, watch_workers
+from shared.service.watch import Change, WorkerChange, alive_workers, follow_workers, watch_workers
 
 
 async def _next_for(changes: AsyncIterator[WorkerChange], worker_id: str, timeout_s: float) -> WorkerChange:
@@ -102,3 +102,39 @@ async def test_updates_and_a_lapse_without_expiry_marker(nats_server):
         assert time.monotonic() - t0 >= 1.0  # 1.5 x its 1 s TTL after it arrived
         await beater.withdraw()
         await changes.aclose()
+
+
+async def test_follow_survives_a_nats_restart_and_reports_who_died_meanwhile(fresh_nats_server):
+    stays, dies, joins = unique("stays"), unique("dies"), unique("joins")
+    async with connected(fresh_nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = follow_workers(js, retry_s=0.2)
+        staying, dying = _beater(js, stays, ttl_s=5.0), _beater(js, dies, ttl_s=1.0)
+        tasks = [asyncio.create_task(b.run()) for b in (staying, dying)]
+        seen = [await _next_of(changes, {stays, dies}, 5) for _ in range(2)]
+        assert {(c.worker_id, c.change) for c in seen} == {(stays, Change.UP), (dies, Change.UP)}
+
+        fresh_nats_server.stop()  # the watch breaks; `dies` crashes while NATS is away
+        dying.stop()
+        fresh_nats_server.start()
+        down = await _next_of(changes, {stays, dies}, 20)
+        assert (down.worker_id, down.change) == (dies, Change.DOWN)  # and no second UP for `stays`
+
+        late = _beater(js, joins)
+        await late.beat()
+        assert (await _next_of(changes, {stays, dies, joins}, 10)).change is Change.UP  # the watch runs again
+        staying.stop()
+        await asyncio.gather(*tasks)
+        await changes.aclose()
+
+
+async def _next_of(changes: AsyncIterator[WorkerChange], workers: set[str], timeout_s: float) -> WorkerChange:
+    """The next change of any of `workers`."""
+
+    async def find() -> WorkerChange:
+        async for change in changes:
+            if change.worker_id in workers:
+                return change
+        raise AssertionError("follow ended")
+
+    return await asyncio.wait_for(find(), timeout_s)
