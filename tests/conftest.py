@@ -15,6 +15,8 @@ import pytest
 from shared.engine.presets import write_preset
 from shared.stack.servers import NatsServer, S3Server
 
+pytest_plugins = ("guards",)  # hung tests fail with a stack trace instead of stalling the run
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
