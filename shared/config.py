@@ -164,6 +164,7 @@ class IndexSettings(BaseModel):
     max_batch_hashes: int = 8192  # hashes per published batch (~70 B each: well under KV_EVENTS' 1 MiB)
     max_pending_hashes: int = 1_000_000  # unpublished backlog kept while NATS is down; beyond: dropped (a gap)
     dump_timeout_s: float = 5.0  # the index waits this long for a worker's state dump
+    lag_grace_s: float = 3.0  # a feed stuck behind what the worker's heartbeat says is published: a lost event
     snapshot_every_events: int = 200_000  # events applied between two snapshots
     snapshot_every_s: float = 60.0
     snapshot_name: str = "index"  # object name in the snapshot bucket (one per index deployment)

@@ -7,6 +7,9 @@ state dump (`apply_dump`), which replaces the worker's entries and resumes
 the feed after the dump's sequence number. A newer epoch drops the worker's
 entries (it restarted); an older one is stale and ignored. A purged worker
 (heartbeat lapsed) ignores its epoch's stragglers until a newer epoch shows up.
+A lost event with nothing after it opens no gap by itself; `lagging` finds it
+from the worker's heartbeat (how far its events are in the stream): a feed
+that stays behind that mark without moving has lost something.
 The result after all events and dumps is the union of the workers' true
 states, whatever was dropped, duplicated or reordered on the way.
 """
@@ -40,6 +43,7 @@ class IndexState:
     feeds: dict[str, Feed] = field(default_factory=dict)
     stream_seq: int = 0  # KV_EVENTS sequence of the last batch applied (a snapshot resumes after it)
     events_applied: int = 0
+    behind: dict[str, tuple[float, tuple[int, int] | None]] = field(default_factory=dict)  # worker -> (since, at)
 
     def gaps(self) -> list[str]:
         """Workers waiting for a state dump."""
@@ -85,9 +89,34 @@ class IndexState:
             feed.next_seq += 1
         return feed.gap
 
+    def lagging(self, worker: str, epoch: int, published_seq: int, now: float, grace_s: float) -> bool:
+        """The worker says events up to `published_seq` of `epoch` are in the stream. True when the feed
+        has stayed behind that, without moving, for `grace_s`: the feed is then marked as a gap (dump it)."""
+        feed = self.feeds.get(worker)
+        if feed is not None and (feed.dead or feed.gap or epoch < feed.epoch):
+            self.behind.pop(worker, None)  # purged, already repairing, or a stale heartbeat
+            return False
+        at = None if feed is None else (feed.epoch, feed.next_seq)
+        if published_seq < 1 or (feed is not None and epoch == feed.epoch and published_seq < feed.next_seq):
+            self.behind.pop(worker, None)  # caught up
+            return False
+        since, was_at = self.behind.setdefault(worker, (now, at))
+        if was_at != at:  # the feed moved since: still applying, the clock starts again
+            self.behind[worker] = (now, at)
+            return False
+        if now - since < grace_s:
+            return False
+        del self.behind[worker]
+        feed = self._feed_for(worker, epoch)  # a lost WorkerCleared: the index never saw this epoch
+        if feed is None:
+            return False
+        feed.gap = True
+        return True
+
     def purge(self, worker: str) -> None:
         """The worker is gone (heartbeat lapsed): drop its L1/L2 and ignore its epoch's stragglers."""
         self.index.clear_worker(worker, release=True)
+        self.behind.pop(worker, None)
         feed = self.feeds.get(worker)
         if feed is not None:
             feed.dead, feed.gap, feed.held = True, False, []

@@ -212,11 +212,18 @@ class CacheIndex:
         log.info("worker purged from the index", worker=worker)
 
     async def _watch(self) -> None:
-        async for change in follow_workers(self.js):
+        async for change in follow_workers(self.js, updates=True):
+            worker, hb = change.worker_id, change.heartbeat
             if change.change is Change.DOWN:
-                self._purge(change.worker_id)
-            elif change.change is Change.UP and self.state.revive(change.worker_id):
-                self._schedule_dump(change.worker_id)  # back under the same id after a purge
+                self._purge(worker)
+                continue
+            if change.change is Change.UP and self.state.revive(worker):
+                self._schedule_dump(worker)  # back under the same id after a purge
+            elif self.ready and hb is not None and hb.kv_epoch is not None and hb.kv_seq is not None and \
+                    self.state.lagging(worker, hb.kv_epoch, hb.kv_seq, time.monotonic(), self.settings.lag_grace_s):
+                log.warning("feed stuck behind the worker's published events; dumping", worker=worker,
+                            published=hb.kv_seq)
+                self._schedule_dump(worker)
 
     async def _snapshot_timer(self) -> None:
         while True:

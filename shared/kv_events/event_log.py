@@ -59,6 +59,7 @@ class EventLog:
     epoch: int = field(default_factory=time.time_ns)
     on_pending: Callable[[], None] = lambda: None  # called (outside the lock) when the log stops being empty
     dropped_hashes: int = 0
+    published_seq: int = 0  # every event up to this one is in the stream (or was shed from the backlog)
     _seq: int = 0
     _pending: list[_Pending] = field(default_factory=list)
     _pending_hashes: int = 0
@@ -126,6 +127,7 @@ class EventLog:
     def published(self, last_seq: int) -> None:
         """Events up to `last_seq` are in the stream (by seq: the backlog may have been shed meanwhile)."""
         with self._lock:
+            self.published_seq = max(self.published_seq, last_seq)
             while self._pending and self._pending[0].seq <= last_seq:
                 self._pending_hashes -= len(self._pending.pop(0).hashes)
 

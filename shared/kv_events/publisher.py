@@ -80,6 +80,10 @@ class KVEventPublisher:
     def state_dump(self) -> WorkerState:
         return self.log.state_dump(self.source)
 
+    def position(self) -> tuple[int, int]:
+        """(epoch, seq): every event of this epoch up to seq is in the stream; heartbeats carry it."""
+        return self.log.epoch, self.log.published_seq
+
     # --- lifecycle -------------------------------------------------------
 
     async def start(self, nc: NATS) -> None:

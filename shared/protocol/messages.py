@@ -28,7 +28,9 @@ class Heartbeat(Message):
     Written every heartbeat interval with a per-message TTL; when writes stop the
     key expires and watchers see the worker go away. `seq` increases by one per
     write of this process, so a restarted worker is recognisable by a new
-    `started_at` and a reset `seq`.
+    `started_at` and a reset `seq`. A worker that publishes KV events also
+    says how far its event log is in the stream (`kv_epoch`, `kv_seq`), so
+    the cache index notices a lost event even when no later one follows.
     """
 
     worker_id: str = Field(min_length=1)
@@ -39,6 +41,8 @@ class Heartbeat(Message):
     http_endpoint: str  # "http://host:port" of its side server: /healthz /readyz /metrics
     seq: int = Field(ge=0)
     ttl_s: float = Field(gt=0)  # the entry's TTL: without a newer heartbeat by then, the worker is gone
+    kv_epoch: int | None = Field(default=None, ge=0)
+    kv_seq: int | None = Field(default=None, ge=0)  # events of kv_epoch up to this one are in KV_EVENTS
 
 
 class ErrorReply(Message):

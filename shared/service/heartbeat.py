@@ -37,6 +37,7 @@ class HeartbeatLoop:
     metrics: ServiceMetrics
     load: Callable[[], float] = lambda: 0.0
     capacity: float = 1.0
+    kv_position: Callable[[], tuple[int, int]] | None = None  # (epoch, seq) of the worker's published KV events
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     seq: int = 0
     _last_ok: float = field(default_factory=time.monotonic, init=False)
@@ -50,9 +51,11 @@ class HeartbeatLoop:
         self.metrics.heartbeat_age_seconds.set_function(lambda: time.monotonic() - self._last_ok)
 
     def current(self) -> Heartbeat:
+        epoch, kv_seq = self.kv_position() if self.kv_position is not None else (None, None)
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, load=float(self.load()), capacity=float(self.capacity),
             started_at=self.started_at, http_endpoint=self.http_endpoint, seq=self.seq, ttl_s=self.ttl_s,
+            kv_epoch=epoch, kv_seq=kv_seq,
         )
 
     async def beat(self) -> None:

@@ -87,6 +87,7 @@ class ServiceContext:
     ready_check: Callable[[], bool] = lambda: True
     load: Callable[[], float] | None = None  # default: messages in flight across this service's consumers
     capacity: float = 1.0
+    kv_position: Callable[[], tuple[int, int]] | None = None  # a worker's KV event log position, for heartbeats
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     def add_consumer(self, spec: ConsumerSpec, handler: Handler) -> ConsumerLoop:
@@ -161,7 +162,7 @@ class ServiceRunner:
             heartbeat = HeartbeatLoop(js, self.worker_id, self.role, self.http_endpoint,
                                       s.service.heartbeat_interval_s, s.service.heartbeat_ttl_s, self.metrics,
                                       load=ctx.load or (lambda: float(sum(c.in_flight for c in ctx.consumers))),
-                                      capacity=ctx.capacity)
+                                      capacity=ctx.capacity, kv_position=ctx.kv_position)
             tasks.append(asyncio.create_task(heartbeat.run()))
             log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id)
             self._started.set()

@@ -56,6 +56,7 @@ class WorkerRuntime:
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)
+        ctx.kv_position = events.position
         ctx.on_stop.append(rt.close)
         return rt
 

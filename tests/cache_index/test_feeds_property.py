@@ -22,6 +22,7 @@ from shared.protocol.base import ProtocolError
 from shared.tiers.miss import Tier
 
 WORKERS = ("w0", "w1", "w2")
+GRACE_S = 3.0
 
 
 def h(i: int) -> bytes:
@@ -137,14 +138,12 @@ def test_index_equals_union_of_true_states_after_repair(seed, steps, drop, dup, 
         while (b := w.log.take_batch()) is not None:
             w.log.published(b.last_seq)
             deliver(b)
-    # A worker whose last events were all dropped shows no gap until its next event arrives.
-    for w in workers:
-        w.log.stored([h(0)], Tier.L2, tokens_per_block=16)
-        w.truth[Tier.L2].add(h(0))
-        b = w.log.take_batch()
-        assert b is not None
-        w.log.published(b.last_seq)
-        deliver(b)
+    # A worker whose last events were all dropped shows no gap until its next event arrives, or until
+    # its heartbeat says they are in the stream and the feed stays behind that for the grace period.
+    for replica in (state, lazy):
+        for now in (0.0, GRACE_S):
+            for w in workers:
+                replica.lagging(w.name, w.log.epoch, w.log.published_seq, now, GRACE_S)
     repair(state, by_name)
     repair(lazy, by_name)
     assert actual(state) == expected(workers) == actual(lazy)
@@ -224,3 +223,54 @@ def test_events_with_malformed_hashes_are_rejected_whole():
     cleared = b'{"schema_version":1,"kind":"cleared","seq":3,"epoch":1},'
     with pytest.raises(ProtocolError):  # seqs 3, 1: not consecutive
         KVEventBatch.from_bytes(bad.to_bytes().replace(b'"events":[', b'"events":[' + cleared))
+
+
+def test_lagging_waits_for_a_stalled_feed_and_restarts_its_clock_on_progress():
+    state = IndexState()
+    log = EventLog("w", epoch=7)
+    log.cleared()
+    log.stored([h(1)], Tier.L1, tokens_per_block=16)
+    first = log.take_batch()
+    log.published(first.last_seq)
+    state.apply_batch(first)  # seq 1 (cleared) and 2 (stored) applied: next expected is 3
+    assert not state.lagging("w", 7, 2, now=0.0, grace_s=GRACE_S)  # caught up
+    log.stored([h(2)], Tier.L1, tokens_per_block=16)
+    lost = log.take_batch()
+    log.published(lost.last_seq)  # seq 3 is in the stream, but this replica never gets it
+    assert not state.lagging("w", 7, 3, now=10.0, grace_s=GRACE_S)  # the clock starts
+    assert not state.lagging("w", 7, 3, now=12.0, grace_s=GRACE_S)
+    assert state.lagging("w", 7, 3, now=13.0, grace_s=GRACE_S)  # stuck behind for 3 s: dump it
+    assert state.gaps() == ["w"]
+    state.apply_dump(log.state_dump())
+    assert state.index.holders(key_of(h(2).hex())) == {("w", Tier.L1)}
+    assert not state.lagging("w", 7, 3, now=20.0, grace_s=GRACE_S)
+
+    log.stored([h(3)], Tier.L1, tokens_per_block=16)
+    slow = log.take_batch()
+    log.published(slow.last_seq)
+    assert not state.lagging("w", 7, 4, now=30.0, grace_s=GRACE_S)
+    state.apply_batch(slow)  # it arrives late, before the grace ran out
+    assert not state.lagging("w", 7, 4, now=40.0, grace_s=GRACE_S)
+    assert state.gaps() == []
+
+
+def test_lagging_finds_an_epoch_whose_events_were_all_lost_and_skips_purged_workers():
+    state = IndexState()
+    old = EventLog("w", epoch=1)
+    old.cleared()
+    old.stored([h(1)], Tier.L1, tokens_per_block=16)
+    state.apply_batch(old.take_batch())
+    new = EventLog("w", epoch=2)  # restarted; its WorkerCleared and first block never reached the index
+    new.cleared()
+    new.stored([h(5)], Tier.L2, tokens_per_block=16)
+    b = new.take_batch()
+    new.published(b.last_seq)
+    assert not state.lagging("w", 2, new.published_seq, now=0.0, grace_s=GRACE_S)
+    assert state.lagging("w", 2, new.published_seq, now=GRACE_S, grace_s=GRACE_S)
+    assert state.index.holders(key_of(h(1).hex())) == set()  # the old epoch's blocks are gone already
+    state.apply_dump(new.state_dump())
+    assert state.index.holders(key_of(h(5).hex())) == {("w", Tier.L2)}
+
+    state.purge("w")
+    assert not state.lagging("w", 2, 99, now=0.0, grace_s=GRACE_S)
+    assert not state.lagging("w", 2, 99, now=100.0, grace_s=GRACE_S)  # dead: only a new heartbeat revives it

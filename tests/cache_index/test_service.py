@@ -114,6 +114,32 @@ async def test_sequence_gap_is_repaired_by_a_chunked_state_dump(fresh_nats_serve
         await dump_sub.unsubscribe()
 
 
+async def test_a_lost_last_event_is_found_from_the_heartbeat_and_repaired(fresh_nats_server):
+    """No later event shows the gap: the worker's heartbeat says how far its events are in the stream."""
+    url, s = fresh_nats_server.url, index_settings(lag_grace_s=1.0)
+    worker, blocks = unique("w"), chain(5, "last")
+    async with connected(url, "worker") as nc, replica(url, s, watch=True) as idx:
+        js = nc.jetstream()
+        log = EventLog(worker)
+        dump_sub = await serve_dump(nc, worker, log.state_dump)
+        log.cleared()
+        first = log.take_batch()
+        await js.publish(subjects.kv_events(worker), first.to_bytes())
+        log.published(first.last_seq)
+        log.stored(blocks, Tier.L1, tokens_per_block=16)
+        lost = log.take_batch()  # the worker's last event never reaches the stream
+        log.published(lost.last_seq)
+        beat = HeartbeatLoop(js, worker, Role.PREFILL, "http://127.0.0.1:1", interval_s=0.3, ttl_s=5.0,
+                             metrics=ServiceMetrics.create("test"),
+                             kv_position=lambda: (log.epoch, log.published_seq))
+        beating = asyncio.create_task(beat.run())
+        await eventually(lambda: answer(idx, blocks).get(worker) == 5, 15, "the lost blocks indexed after a dump")
+        assert idx.state.gaps() == [] and idx.state.feeds[worker].next_seq == log.seq + 1
+        beat.stop()
+        await beating
+        await dump_sub.unsubscribe()
+
+
 async def test_dead_worker_entries_are_purged_when_its_heartbeat_lapses(fresh_nats_server):
     url, s = fresh_nats_server.url, index_settings()
     dead, alive = unique("dead"), unique("alive")
