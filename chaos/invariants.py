@@ -3,7 +3,8 @@
 Each check returns a bool; the runner puts them in the report under
 `invariants`. The rules: an accepted request ends with the fault-free
 tokens or with a retriable error inside its deadline; nothing stays queued
-in a work-queue stream; latency comes back within 2x the baseline p99.
+in a work-queue stream; latency comes back within 2x the baseline p99. The
+index's agreement with the workers is checked in `chaos.index_truth`.
 """
 
 from __future__ import annotations

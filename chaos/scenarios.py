@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import invariants, l3_corrupt, overload
+from chaos import index_truth, invariants, l3_corrupt, overload
 from chaos.load import Load, Outcome
 from chaos.proxy import Fault, FaultProxy
 from chaos.report import counts, plot
-from chaos.stack import API_KEY, ChaosStack
+from chaos.stack import API_KEY, EVICTION, INDEX, WORKERS, ChaosStack
 
 Step = Callable[[ChaosStack], None]
 
@@ -64,6 +64,21 @@ def _proxy_heal(which: str) -> Step:
     return _proxy(which, Fault())
 
 
+def _lossy_events() -> tuple[Step, Step]:
+    """The index down while KV events pile up; at the heal half of them are deleted, the rest doubled."""
+    mark: dict[str, int] = {}
+
+    def inject(stack: ChaosStack) -> None:
+        stack.signal(INDEX, signal.SIGKILL)
+        mark["seq"] = index_truth.last_event_seq(stack.nats_urls)
+
+    def heal(stack: ChaosStack) -> None:
+        index_truth.drop_and_duplicate(stack.nats_urls, mark["seq"])
+        stack.restart(INDEX)
+
+    return inject, heal
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("decode-kill", "SIGKILL a decode worker mid-stream; its requests migrate to the other one",
              _kill("decode-0"), cleanup=_restart("decode-0"), timed_fault=False),
@@ -75,6 +90,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _proxy("s3", Fault(latency_ms=300, jitter_ms=100, bandwidth_bps=2e6)), _proxy_heal("s3")),
     Scenario("s3-outage", "every worker connection to S3 reset; L3 must degrade to a miss, not an error",
              _proxy("s3", Fault(reset=True)), _proxy_heal("s3")),
+    Scenario("index-restart", "SIGKILL the cache index; routing degrades to load-only, then it restarts from "
+             "its snapshot and replays the events it missed", _kill(INDEX), _restart(INDEX)),
+    Scenario("eviction-kill", "SIGKILL the eviction service; serving goes on (workers evict locally), then it "
+             "restarts", _kill(EVICTION), _restart(EVICTION)),
+    Scenario("kv-events-drop-dup", "the cache index down while KV events pile up; every other batch is then "
+             "deleted from the stream and the rest published twice; the restarted index repairs the gaps by "
+             "state dumps", *_lossy_events()),
     Scenario("ingress-restart", "SIGKILL the ingress; clients get a clean connection error, then it comes back",
              _kill("ingress-0"), _restart("ingress-0"), timed_fault=True),
     Scenario("nats-leader-kill", "SIGKILL the NATS node leading the JOBS stream (3-node cluster, R3 streams), "
@@ -133,6 +155,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
             "outputs_identical": invariants.ok_outputs_identical(outcomes, refs),
             "errors_clean": invariants.errors_clean(outcomes, load.request_timeout_s),
             "nothing_pending": invariants.nothing_pending(stack.nats_urls),
+            "index_converged": index_truth.index_converged(stack.nats_urls, WORKERS),
             "recovered": first_good is not None,
             **probed,
         },

@@ -1,4 +1,5 @@
-"""The stack a chaos scenario runs against: real NATS, real S3, 2 prefill + 2 decode workers, one ingress.
+"""The stack a chaos scenario runs against: real NATS, real S3, 2 prefill + 2 decode workers, one ingress,
+one cache index and one eviction service.
 
 NATS is one node or a cluster of `nats_nodes` (JetStream streams then R3,
 every node syncing always), so a stream leader can be killed. Workers reach
@@ -27,6 +28,9 @@ from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port
 API_KEY = "sk-chaos"
 PREFILLS = ("prefill-0", "prefill-1")
 DECODES = ("decode-0", "decode-1")
+WORKERS = PREFILLS + DECODES
+INDEX = "index-0"
+EVICTION = "eviction-0"
 BUCKET = "kvmesh-chaos"
 
 
@@ -41,6 +45,7 @@ class ChaosStack:
     s3_proxy: FaultProxy = field(init=False)
     ingress_port: int = field(default_factory=free_port)
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    services: dict[str, str] = field(default_factory=dict)  # service id -> its package under services/
     ports: dict[str, int] = field(default_factory=dict)  # service id -> its side HTTP port
 
     @property
@@ -66,6 +71,8 @@ class ChaosStack:
             self.spawn("prefill", worker)
         for worker in DECODES:
             self.spawn("decode", worker)
+        self.spawn("cache_index", INDEX)
+        self.spawn("eviction", EVICTION)
         self.spawn("ingress", "ingress-0")
         for service_id in self.procs:
             self.wait_ready(service_id, ready_timeout_s)
@@ -103,14 +110,14 @@ class ChaosStack:
 
     def spawn(self, service: str, service_id: str) -> None:
         self.ports.setdefault(service_id, free_port())
+        self.services[service_id] = service
         argv = [sys.executable, "-m", f"services.{service}"]
         self.procs[service_id] = spawn_process(service_id, argv, self.root / "logs" / f"{service_id}.log",
                                                detach=False, env=self.env(service_id))
 
     def restart(self, service_id: str, timeout_s: float = 120.0) -> None:
         """Start a killed service again under the same id (and wait until it is ready and live)."""
-        service = service_id.rsplit("-", 1)[0]
-        self.spawn(service, service_id)
+        self.spawn(self.services[service_id], service_id)
         self.wait_ready(service_id, timeout_s)
         self.wait_live(timeout_s)
 
@@ -124,7 +131,7 @@ class ChaosStack:
         """Every worker's heartbeat is live in NATS (the ingress routes to all of them)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if set(PREFILLS + DECODES) <= asyncio.run(_alive(self.nats_urls)):
+            if set(WORKERS) <= asyncio.run(_alive(self.nats_urls)):
                 return
             time.sleep(0.3)
         raise TimeoutError("workers did not all become live")

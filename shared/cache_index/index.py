@@ -159,6 +159,14 @@ class BlockIndex:
         pos = bit.bit_length() - 1
         self.counts[pos] = self.counts.get(pos, 0) - removed
 
+    def worker_keys(self, worker: str, tier: Tier) -> set[int]:
+        """Every key the index places in `worker`'s `tier` (L1/L2). A full scan: for checks, not lookups."""
+        s = self.slots.get(worker)
+        if s is None:
+            return set()
+        bit = tier_bit(s, tier)
+        return {k for k, m in self.masks.items() if m & bit}
+
     def holders(self, key: int) -> set[tuple[str, Tier]]:
         """(worker, tier) pairs holding `key`; ("", L3) for L3. For tests and debugging."""
         m = self.masks.get(key, 0)

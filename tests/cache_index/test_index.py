@@ -55,6 +55,8 @@ def test_lookup_after_discard_and_clear_worker_keeps_l3():
     idx.add("d", Tier.L2, k[:1])  # takes b's freed slot, starts empty
     assert idx.lookup(k).workers["d"].blocks == 1
     assert idx.worker_blocks("a", Tier.L1) == 4 and idx.worker_blocks("d", Tier.L2) == 1
+    assert idx.worker_keys("a", Tier.L1) == set(k) - {k[2]} and idx.worker_keys("d", Tier.L2) == {k[0]}
+    assert idx.worker_keys("a", Tier.L2) == set() and idx.worker_keys("b", Tier.L1) == set()
 
 
 @settings(max_examples=40, deadline=None)

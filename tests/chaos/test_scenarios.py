@@ -1,10 +1,11 @@
-"""Every chaos scenario, short form, against one shared real stack (3-node NATS, S3, 2+2 workers, ingress).
+"""Every chaos scenario, short form, against one shared real stack (3-node NATS, S3, 2+2 workers, ingress,
+cache index, eviction).
 
 Scenarios run in a fixed order on the same stack; each heals and restores
 full strength in its cleanup, so the next starts healthy. A scenario passes
 when every invariant holds: outputs identical to the fault-free reference,
-errors clean and retriable, nothing left pending in JetStream, latency
-recovered. The last test checks that stopping the stack leaks nothing.
+errors clean and retriable, nothing left pending in JetStream, the cache
+index agreeing with every worker's own state, latency recovered. The last test checks that stopping the stack leaks nothing.
 """
 
 from __future__ import annotations
