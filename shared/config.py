@@ -23,7 +23,8 @@ class NatsSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 4222
     monitor_port: int = 8222
-    replicas: int = 1  # stream replicas; 3 for a cluster
+    cluster_nodes: int = 1  # 1, or an odd number >= 3: a routed cluster on loopback (node 0 on port/monitor_port)
+    replicas: int = 1  # stream replicas; a local cluster declares at least 3
     max_payload: int = 8 * 1024 * 1024
 
 

@@ -65,6 +65,9 @@ def up(
     nats_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings nats.port.")] = None,
     nats_monitor_port: Annotated[Optional[int], typer.Option(help="Default: settings nats.monitor_port.")] = None,
     s3_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings s3.port.")] = None,
+    nats_cluster: Annotated[Optional[int], typer.Option(
+        help="NATS nodes: 1, or an odd number >= 3 routed to each other (streams R3). "
+             "Default: settings nats.cluster_nodes.")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Readiness deadline in seconds.")] = None,
     state_dir: StateDir = None,
 ) -> None:
@@ -91,6 +94,7 @@ def up(
         nats_port=settings.nats.port if nats_port is None else nats_port,
         nats_monitor_port=settings.nats.monitor_port if nats_monitor_port is None else nats_monitor_port,
         s3_port=settings.s3.port if s3_port is None else s3_port,
+        nats_nodes=settings.nats.cluster_nodes if nats_cluster is None else nats_cluster,
     )
     try:
         stack_up(settings, opts, typer.echo)

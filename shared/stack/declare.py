@@ -1,29 +1,44 @@
 """Declare every stream, consumer and KV bucket on the stack's NATS (create-or-update).
 
 This is the one place `kvmesh up` touches JetStream definitions; what they
-are lives in ``shared.protocol.streams``.
+are lives in ``shared.protocol.streams``. A fresh cluster answers JetStream
+API calls only once it has elected a meta leader (and R3 streams only once
+enough peers joined), so failures are retried until the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from shared.stack.errors import ExitCode, StackError
 
+RETRY_S = 0.25
+CALL_TIMEOUT_S = 1.0  # per JetStream API call; short, so a retry follows soon after the meta leader is elected
+
 
 def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0) -> None:
+    """nats_url may list a cluster's nodes, comma separated."""
     try:
-        asyncio.run(asyncio.wait_for(_declare(nats_url, replicas), timeout_s))
+        asyncio.run(_declare(nats_url, replicas, time.monotonic() + timeout_s))
     except Exception as exc:  # noqa: BLE001 - connection, timeout or JetStream API errors alike
         raise StackError(ExitCode.START_FAILED, f"declaring streams on {nats_url} failed: {exc!r}") from None
 
 
-async def _declare(nats_url: str, replicas: int) -> None:
+async def _declare(nats_url: str, replicas: int, deadline: float) -> None:
     import nats
     from shared.protocol.streams import declare_all
 
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False)
+    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
+    nc = await nats.connect(servers=servers, connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False)
     try:
-        await declare_all(nc.jetstream(), replicas=replicas)
+        while True:
+            try:
+                await declare_all(nc.jetstream(timeout=CALL_TIMEOUT_S), replicas=replicas)
+                return
+            except (nats.errors.Error, TimeoutError):  # JetStream API errors and timeouts
+                if nc.is_closed or time.monotonic() + RETRY_S >= deadline:
+                    raise
+                await asyncio.sleep(RETRY_S)
     finally:
         await nc.close()

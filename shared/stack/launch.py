@@ -3,6 +3,8 @@
 Ports of 0 mean "pick a free one". SeaweedFS needs nine internal ports
 besides S3; they are kept in ``<state_dir>/s3/ports.json`` and reused on
 restart (its master keeps metadata in a directory named after its port).
+A NATS cluster keeps each node's ports in ``<state_dir>/nats-<i>/ports.json``
+the same way; node 0 takes the configured client and monitor ports.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ from shared.stack.procs import start_ticks
 from shared.stack.servers import (
     BinaryMissingError,
     ManagedProcess,
+    NatsNodePorts,
     NatsServer,
     PortInUseError,
     S3Server,
     ServerError,
+    nats_cluster,
     port_in_use,
 )
 from shared.stack.state import Endpoint, ProcessRecord
 
+CLUSTER_NAME = "kvmesh-nats"  # nodes are kvmesh-nats-<i>; stable names keep their JetStream data across restarts
 
-def process_record(mp: ManagedProcess, kind: str, ports: list[int]) -> ProcessRecord:
+
+def process_record(mp: ManagedProcess, kind: str, ports: list[int], name: str | None = None) -> ProcessRecord:
     return ProcessRecord(
-        name=mp.name, kind=kind, pid=mp.pid, start_ticks=start_ticks(mp.pid),
+        name=name or mp.name, kind=kind, pid=mp.pid, start_ticks=start_ticks(mp.pid),
         started_at=time.time(), log=str(mp.log_path), ports=ports,
     )
 
@@ -47,20 +53,38 @@ def _start(server: NatsServer | S3Server, what: str, timeout_s: float) -> Manage
         raise StackError(ExitCode.START_FAILED, f"{what}: {exc} (log: {log})") from None
 
 
-def start_nats(
-    state_dir: Path, host: str, port: int, monitor_port: int, max_payload: int, bin_dir: Path | None, timeout_s: float
-) -> tuple[ProcessRecord, list[Endpoint]]:
-    server = NatsServer(
-        data_dir=state_dir / "nats", host=host, port=port, monitor_port=monitor_port,
-        max_payload=max_payload, bin_dir=bin_dir,
-    )
-    mp = _start(server, "nats-server", timeout_s)
+def local_nats(
+    state_dir: Path, nodes: int, host: str, port: int, monitor_port: int, max_payload: int, bin_dir: Path | None
+) -> list[NatsServer]:
+    """One node storing under <state_dir>/nats, or a cluster of `nodes` (see nats_cluster), not started yet."""
+    if nodes == 1:
+        return [NatsServer(data_dir=state_dir / "nats", host=host, port=port, monitor_port=monitor_port,
+                           max_payload=max_payload, bin_dir=bin_dir)]
+    configured = {p for p in (port, monitor_port) if p}
+    ports = [_reusable_node_ports(state_dir / f"nats-{i}" / "ports.json", host, configured) for i in range(nodes)]
+    ports[0] = NatsNodePorts(port or ports[0].client, monitor_port or ports[0].monitor, ports[0].cluster)
+    return nats_cluster(state_dir, nodes, CLUSTER_NAME, ports, host=host, max_payload=max_payload, bin_dir=bin_dir)
+
+
+def start_nats(server: NatsServer, timeout_s: float) -> tuple[ProcessRecord, list[Endpoint]]:
+    """Start one node, named after its store dir ("nats", or "nats-<i>" in a cluster)."""
+    name = server.data_dir.name
+    mp = _start(server, f"nats-server {name}" if server.cluster else "nats-server", timeout_s)
+    ports = [server.port, server.monitor_port]
+    # a cluster node is healthy once it sees a meta leader and its streams are current, a lone one once JetStream is on
+    health = "/healthz"
+    if server.cluster:
+        ports.append(server.cluster["port"])
+        (server.data_dir / "ports.json").write_text(json.dumps(
+            {"client": server.port, "monitor": server.monitor_port, "cluster": server.cluster["port"]}))
+    else:
+        health += "?js-enabled-only=true"
     endpoints = [
-        Endpoint(name="nats", url=server.url, check="nats"),
-        Endpoint(name="nats-monitor", url=f"http://{host}:{server.monitor_port}", check="http",
-                 ready_path="/healthz?js-enabled-only=true"),
+        Endpoint(name=name, url=server.url, check="nats"),
+        Endpoint(name=f"{name}-monitor", url=f"http://{server.host}:{server.monitor_port}", check="http",
+                 ready_path=health),
     ]
-    return process_record(mp, "server", [server.port, server.monitor_port]), endpoints
+    return process_record(mp, "server", ports, name=name), endpoints
 
 
 def start_s3(
@@ -89,3 +113,16 @@ def _reusable_ports(path: Path, host: str) -> dict[str, int]:
     except (OSError, ValueError, AttributeError):
         return {}
     return ports if not any(port_in_use(p, host) for p in ports.values()) else {}
+
+
+def _reusable_node_ports(path: Path, host: str, configured: set[int]) -> NatsNodePorts:
+    """A cluster node's ports of the last run, each kept while still free (0: pick a new one)."""
+    try:
+        saved = NatsNodePorts(**{k: int(v) for k, v in json.loads(path.read_text()).items()})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return NatsNodePorts()
+
+    def keep(p: int) -> int:
+        return p if p and p not in configured and not port_in_use(p, host) else 0
+
+    return NatsNodePorts(keep(saved.client), keep(saved.monitor), keep(saved.cluster))

@@ -5,6 +5,7 @@ next to the Python interpreter. `kvmesh up` and the test fixtures start them
 through these classes, so both run the same flags: loopback only, JetStream
 with `sync_interval: always` (an acked write survives a crash), SeaweedFS with
 telemetry off and every port pinned (its defaults collide between instances).
+`nats_cluster` lays out the nodes of a routed NATS cluster for both.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,6 +216,54 @@ class NatsServer:
     def stop(self) -> None:
         if self.process:
             self.process.stop()
+
+
+def valid_nats_cluster_size(n: int) -> bool:
+    """One node, or an odd number >= 3: JetStream needs a majority, and two nodes cannot lose one."""
+    return n == 1 or (n >= 3 and n % 2 == 1)
+
+
+@dataclass(frozen=True, slots=True)
+class NatsNodePorts:
+    """The ports of one cluster node; 0 means pick a free one."""
+
+    client: int = 0
+    monitor: int = 0
+    cluster: int = 0
+
+
+def nats_cluster(
+    root: Path, n: int, name: str, ports: Sequence[NatsNodePorts] = (), *,
+    host: str = "127.0.0.1", max_payload: int = 8 * 1024 * 1024, bin_dir: Path | None = None,
+) -> list[NatsServer]:
+    """n nodes routed to each other: node i stores under root/nats-i and is named <name>-i (stable across restarts).
+
+    Every port of 0 in `ports` (missing entries count as all 0) is picked now and distinct from the
+    others, since each node's routes name the others' cluster ports before any of them listens.
+    """
+    if n < 3 or not valid_nats_cluster_size(n):
+        raise ValueError(f"a NATS cluster needs an odd number of nodes >= 3, got {n}")
+    given = [ports[i] if i < len(ports) else NatsNodePorts() for i in range(n)]
+    taken = {p for node in given for p in (node.client, node.monitor, node.cluster) if p}
+
+    def pick(port: int) -> int:
+        while not port:
+            candidate = free_port(host)
+            port = 0 if candidate in taken else candidate
+        taken.add(port)
+        return port
+
+    chosen = [NatsNodePorts(pick(p.client), pick(p.monitor), pick(p.cluster)) for p in given]
+    routes = [f"nats-route://{host}:{p.cluster}" for p in chosen]
+    return [
+        NatsServer(
+            data_dir=root / f"nats-{i}", port=p.client, monitor_port=p.monitor, host=host, max_payload=max_payload,
+            server_name=f"{name}-{i}", bin_dir=bin_dir,
+            cluster={"name": name, "port": p.cluster, "no_advertise": True,
+                     "routes": [r for j, r in enumerate(routes) if j != i]},
+        )
+        for i, p in enumerate(chosen)
+    ]
 
 
 @dataclass

@@ -52,7 +52,7 @@ class StackState(BaseModel):
     detached: bool
     started_at: float = Field(default_factory=time.time)
     ready_at: float | None = None
-    nats_url: str = ""
+    nats_url: str = ""  # what services are given: every node of a local cluster, comma separated
     s3_endpoint: str = ""  # host:port, the form the minio SDK takes
     s3_bucket: str = ""
     processes: list[ProcessRecord] = Field(default_factory=list)

@@ -1,7 +1,8 @@
 """`kvmesh up`: start NATS, the S3 server and every service, wait until all are ready.
 
 Order: claim the state dir (state file created exclusively) -> preflight ->
-servers -> streams -> services -> readiness. The state file is updated
+servers (NATS: one node, or a routed cluster of --nats-cluster nodes) ->
+streams -> services -> readiness. The state file is updated
 after each start, so a failure or Ctrl-C at any point stops exactly what
 was started (services first) and leaves no state file behind.
 """
@@ -20,13 +21,14 @@ from shared.config import Settings
 from shared.stack.credentials import S3Credentials, load_or_create_credentials
 from shared.stack.declare import declare_streams
 from shared.stack.errors import ExitCode, StackError
-from shared.stack.launch import process_record, start_nats, start_s3
+from shared.stack.launch import local_nats, process_record, start_nats, start_s3
 from shared.stack.model import resolve_model_dir
 from shared.stack.preflight import (
     check_external_nats, check_external_s3, ensure_binaries, ensure_ports_free, ensure_writable,
 )
 from shared.stack.probe import check_endpoint, host_port
 from shared.stack.procs import is_ours, launcher_alive, start_ticks, stop_in_order
+from shared.stack.servers import valid_nats_cluster_size
 from shared.stack.services import ServiceContext, build_specs, discover_services, start_service
 from shared.stack.state import Endpoint, StackState, claim_state, load_state, remove_state, save_state
 
@@ -44,6 +46,7 @@ class UpOptions:
     fresh: bool = False
     model_dir: Path | None = None
     replicas: dict[str, int] = field(default_factory=dict)  # service name -> count, default 1
+    nats_nodes: int = 1  # local NATS: one node, or a cluster of an odd number >= 3 (streams then R3)
     nats_port: int = 4222
     nats_monitor_port: int = 8222
     s3_port: int = 8333
@@ -122,11 +125,11 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     specs = build_specs(package, discover_services(package), opts.replicas)
     _preflight(settings, opts)
     if opts.fresh:
-        for data in ("nats", "s3"):
-            shutil.rmtree(state_dir / data, ignore_errors=True)
+        for data in (state_dir / "nats", state_dir / "s3", *state_dir.glob("nats-[0-9]*")):
+            shutil.rmtree(data, ignore_errors=True)
     _nats(settings, opts, state)
     creds = _s3(settings, opts, state)
-    declare_streams(state.nats_url, settings.nats.replicas)
+    declare_streams(state.nats_url, _stream_replicas(settings, opts), settings.stack.ready_timeout_s)
     needs_model = any(s.replicas for s in specs)
     model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
@@ -154,13 +157,19 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
 
 
 def _nats(settings: Settings, opts: UpOptions, state: StackState) -> None:
-    """Start the local nats-server, or take the external one; record it either way."""
+    """Start the local nats-server node(s), or take the external one; record it either way.
+
+    Each node is recorded as soon as it runs, so a failure on the next one still stops it.
+    """
     if settings.nats_url is None:
-        rec, eps = start_nats(Path(state.state_dir), settings.nats.host, opts.nats_port, opts.nats_monitor_port,
-                              settings.nats.max_payload, settings.stack.bin_dir, settings.stack.ready_timeout_s)
-        state.processes.append(rec)
-        state.endpoints += eps
-        state.nats_url = eps[0].url
+        nodes = local_nats(Path(state.state_dir), opts.nats_nodes, settings.nats.host, opts.nats_port,
+                           opts.nats_monitor_port, settings.nats.max_payload, settings.stack.bin_dir)
+        for node in nodes:
+            rec, eps = start_nats(node, settings.stack.ready_timeout_s)
+            state.processes.append(rec)
+            state.endpoints += eps
+            save_state(state)
+        state.nats_url = ",".join(node.url for node in nodes)
     else:
         state.nats_url = check_external_nats(settings.nats_url)
         state.endpoints.append(Endpoint(name="nats", url=state.nats_url, check="nats"))
@@ -186,8 +195,30 @@ def _s3(settings: Settings, opts: UpOptions, state: StackState) -> S3Credentials
     return creds
 
 
+def _stream_replicas(settings: Settings, opts: UpOptions) -> int:
+    """settings.nats.replicas, at least 3 on a local cluster (the point of running one)."""
+    if settings.nats_url is None and opts.nats_nodes > 1:
+        return max(settings.nats.replicas, 3)
+    return settings.nats.replicas
+
+
+def _check_nats_nodes(settings: Settings, opts: UpOptions) -> None:
+    n = opts.nats_nodes
+    if not valid_nats_cluster_size(n):
+        raise StackError(ExitCode.USAGE, f"--nats-cluster {n} (nats.cluster_nodes): use 1, or an odd number "
+                                         "of nodes >= 3 (JetStream needs a majority of the nodes up)")
+    if settings.nats_url is not None and n > 1:
+        raise StackError(ExitCode.USAGE, f"--nats-cluster {n} starts local NATS nodes, but KVMESH_NATS_URL "
+                                         "names an external NATS; unset one of them")
+    replicas = _stream_replicas(settings, opts)
+    if settings.nats_url is None and replicas > n:
+        raise StackError(ExitCode.USAGE, f"nats.replicas {replicas} needs at least {replicas} NATS nodes "
+                                         f"(--nats-cluster), not {n}")
+
+
 def _preflight(settings: Settings, opts: UpOptions) -> None:
-    """Everything checkable before the first start: binaries, ports, external servers."""
+    """Everything checkable before the first start: NATS cluster size, binaries, ports, external servers."""
+    _check_nats_nodes(settings, opts)
     ports: dict[int, str] = {}
     binaries: list[str] = []
     if settings.nats_url is None:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.stack.errors import ExitCode
 from shared.stack.procs import is_ours
-from shared.stack.servers import free_port, pid_alive
+from shared.stack.servers import free_port, pid_alive, port_in_use
 from shared.stack.state import ProcessRecord, StackState, load_state
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
@@ -87,3 +89,24 @@ def pids_for(state_dir: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def assert_all_gone(stack: StackDir, state: StackState) -> None:
+    """No recorded process alive, no recorded port listening, no state/pid/socket file left."""
+    for rec in state.processes:
+        assert not is_ours(rec), f"{rec.name} (pid {rec.pid}) still alive"
+        for port in rec.ports:
+            assert not port_in_use(port), f"port {port} of {rec.name} still bound"
+    assert stack.state() is None and not (stack.state_dir / "stack.json").exists()
+    for path in stack.state_dir.rglob("*"):
+        assert not stat.S_ISSOCK(path.lstat().st_mode), f"socket left: {path}"
+        assert path.suffix != ".pid", f"pid file left: {path}"
+    assert pids_for(stack.state_dir) == []
+
+
+def assert_one_line_failure(out, code: ExitCode, *needles: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code, (out.returncode, out.stderr)
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

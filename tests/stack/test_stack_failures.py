@@ -10,18 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from stack_harness import KVMESH, StackDir, pids_for
+from stack_harness import KVMESH, StackDir, assert_one_line_failure, pids_for
 
 from shared.stack.errors import ExitCode
 from shared.stack.servers import free_port, port_in_use
-
-
-def assert_one_line_failure(out, code: ExitCode, *needles: str) -> None:
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == code, (out.returncode, out.stderr)
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def listening_socket() -> socket.socket:

@@ -15,26 +15,11 @@ from minio import Minio
 
 from shared.protocol.streams import ALL_STREAMS
 from shared.stack.credentials import read_credentials
-from shared.stack.procs import is_ours
-from shared.stack.servers import port_in_use
 from shared.stack.state import ProcessRecord, StackState, claim_state
 
-from stack_harness import StackDir, pids_for
+from stack_harness import StackDir, assert_all_gone, pids_for
 
 TEST_STREAM = "STACKTEST"
-
-
-def assert_all_gone(stack: StackDir, state: StackState) -> None:
-    """No recorded process alive, no recorded port listening, no state/pid/socket file left."""
-    for rec in state.processes:
-        assert not is_ours(rec), f"{rec.name} (pid {rec.pid}) still alive"
-        for port in rec.ports:
-            assert not port_in_use(port), f"port {port} of {rec.name} still bound"
-    assert stack.state() is None and not (stack.state_dir / "stack.json").exists()
-    for path in stack.state_dir.rglob("*"):
-        assert not stat.S_ISSOCK(path.lstat().st_mode), f"socket left: {path}"
-        assert path.suffix != ".pid", f"pid file left: {path}"
-    assert pids_for(stack.state_dir) == []
 
 
 def s3_client(stack: StackDir, state: StackState) -> Minio:
