@@ -20,10 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from chaos.proxy import FaultProxy
+from shared.stack.declare import declare_streams
 from shared.stack.probe import wait_http_ok
-from shared.stack.servers import ManagedProcess, NatsServer, S3Server, free_port, pid_alive, port_in_use, spawn_process
+from shared.stack.servers import (
+    ManagedProcess, NatsServer, S3Server, free_port, nats_cluster, pid_alive, port_in_use, spawn_process,
+)
 
 API_KEY = "sk-chaos"
 PREFILLS = ("prefill-0", "prefill-1")
@@ -64,7 +66,7 @@ class ChaosStack:
         self.s3 = S3Server(data_dir=self.root / "s3")
         self.s3.start()
         self.s3.ensure_bucket(BUCKET)
-        asyncio.run(_declare(self.nats_urls, 3 if self.nats_nodes >= 3 else 1, ready_timeout_s))
+        declare_streams(",".join(self.nats_urls), 3 if self.nats_nodes >= 3 else 1, ready_timeout_s)
         self.nats_proxies = [FaultProxy(node.port).start() for node in self.nats]
         self.s3_proxy = FaultProxy(self.s3.port).start()
         for worker in PREFILLS:
@@ -179,37 +181,8 @@ class ChaosStack:
 
 
 def _nats_nodes(root: Path, n: int) -> list[NatsServer]:
-    """One node, or n nodes routed to each other (cluster ports picked now, so every node knows the others)."""
-    if n <= 1:
-        return [NatsServer(data_dir=root / "nats")]
-    ports = [free_port() for _ in range(n)]
-    routes = [f"nats-route://127.0.0.1:{p}" for p in ports]
-    return [NatsServer(data_dir=root / f"nats-{i}", server_name=f"n{i}",
-                       cluster={"name": "kvmesh-chaos", "port": ports[i], "no_advertise": True,
-                                "routes": [r for j, r in enumerate(routes) if j != i]})
-            for i in range(n)]
-
-
-async def _declare(nats_urls: list[str], replicas: int, timeout_s: float) -> None:
-    """Declare every stream; a fresh cluster answers only once it has elected a meta leader, so retry."""
-    import nats
-    from nats.js.errors import Error as JsError
-
-    from shared.protocol.streams import declare_all
-
-    nc = await nats.connect(servers=nats_urls)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                await declare_all(nc.jetstream(), replicas)
-                return
-            except (JsError, nats.errors.TimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.5)
-    finally:
-        await nc.close()
+    """One node, or n nodes routed to each other."""
+    return [NatsServer(data_dir=root / "nats")] if n <= 1 else nats_cluster(root, n, "kvmesh-chaos")
 
 
 async def _alive(nats_urls: list[str]) -> set[str]:
