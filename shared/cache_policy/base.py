@@ -3,7 +3,9 @@
 A policy maps a block's statistics to a priority; the cache evicts the
 block with the *lowest* priority among those that are evictable (not in
 use, not pinned). Policies that also decide admission (S3-FIFO, TinyLFU)
-implement ``admit``; pure priority policies admit everything.
+implement ``admit``; pure priority policies admit everything. A policy
+may also gate only the blocks that would displace a cached one
+(``DisplacementGate``): free room costs nothing, an eviction does.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ class AccessObserver(Protocol):
     """
 
     def on_access(self, block_hash: bytes, now: float) -> None: ...
+
+
+@runtime_checkable
+class DisplacementGate(Protocol):
+    """Optional side of a policy: whether a new, admitted block may evict a cached one.
+
+    Asked only when the cache is full; a block refused here is not cached
+    (nor the rest of its chain), exactly like one ``admit`` refused.
+    """
+
+    def may_displace(self, info: BlockInfo, now: float) -> bool: ...
 
 
 class LRUPolicy:

@@ -13,7 +13,8 @@ new block is ``admit``-ted. The rules no policy may break live here:
 - blocks of the request being inserted are never evicted while it inserts.
 
 A policy that is also an ``AccessObserver`` hears of every block of every
-request (hit or miss) before it is asked about them.
+request (hit or miss) before it is asked about them; one that is also a
+``DisplacementGate`` is asked ``may_displace`` before a new block evicts.
 
 Eviction is a heap of leaves with lazy deletion. A key is computed when a
 block becomes a leaf or is touched, so a policy's priority must keep its
@@ -27,7 +28,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
+from shared.cache_policy.base import AccessObserver, BlockInfo, DisplacementGate, EvictionPolicy
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class PolicyCache:
         self._pins: list[tuple[float, bytes]] = []  # (pinned_until, hash) parked leaves
         self._seq = 0
         self._observe = policy.on_access if isinstance(policy, AccessObserver) else None
+        self._gate = policy.may_displace if isinstance(policy, DisplacementGate) else None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -111,7 +113,7 @@ class PolicyCache:
                 last_access=now,
                 pinned_until=spec.pinned_until,
             )
-            if not self.policy.admit(info, now) or not self._make_room(now, protected, result):
+            if not self.policy.admit(info, now) or not self._make_room(info, now, protected, result):
                 result.rejected = len(specs) - depth
                 break
             self._add(info, now)
@@ -150,10 +152,12 @@ class PolicyCache:
         self._live[info.block_hash] = self._seq
         heapq.heappush(self._heap, (self.policy.priority(info, now), self._seq, info.block_hash))
 
-    def _make_room(self, now: float, protected: set[bytes], result: InsertResult) -> bool:
-        """Evict leaves until one more block fits; False if nothing may go."""
+    def _make_room(self, new: BlockInfo, now: float, protected: set[bytes], result: InsertResult) -> bool:
+        """Evict a leaf so that ``new`` fits; False if nothing may go or the gate says ``new`` may not."""
         if len(self.blocks) < self.capacity:
             return True
+        if self._gate is not None and not self._gate(new, now):
+            return False
         self._release_pins(now)
         skipped: list[tuple[float, int, bytes]] = []
         victim = None

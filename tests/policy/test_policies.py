@@ -92,6 +92,20 @@ def test_cost_order_does_not_depend_on_now() -> None:
     assert evict_order(p, blocks, now=10) == evict_order(p, blocks, now=10_000)
 
 
+def test_cost_lets_a_block_displace_others_from_its_second_request() -> None:
+    p = CostPolicy()
+    p.on_access(b"new", 0.0)
+    assert p.admit(block("new"), 0.0)  # free room is always taken
+    assert not p.may_displace(block("new"), 0.0)
+    p.on_access(b"new", 1.0)
+    assert p.may_displace(block("new"), 1.0)
+    pinned = block("pinned-new")
+    pinned.pinned_until = 10.0
+    p.on_access(b"pinned-new", 2.0)
+    assert p.may_displace(pinned, 2.0)  # a client's pin outranks the doorkeeper
+    assert not p.may_displace(pinned, 11.0)
+
+
 def test_registry() -> None:
     assert set(POLICIES) == {"cost", "lru", "lfu", "tinylfu"}
     for name in POLICIES:

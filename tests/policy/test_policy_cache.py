@@ -87,3 +87,15 @@ def test_a_chain_that_repeats_a_hash_stops_there() -> None:
     r = cache.insert(chain("a", "b", "a", "c"), 0)
     assert (r.inserted, r.rejected) == (2, 2)
     assert cache.blocks[b"a"].num_children == 1
+
+
+def test_the_default_fills_free_room_but_guards_evictions() -> None:
+    cache = PolicyCache(get_policy("default"), 2)
+    assert cache.insert(chain("a"), 0).inserted == 1  # first request, free room: cached
+    cache.insert(chain("b"), 1)
+    r = cache.insert(chain("c"), 2)  # first request of c, cache full: a and b stay
+    assert (r.inserted, r.rejected, cached(cache)) == (0, 1, {"a", "b"})
+    r = cache.insert(chain("c"), 3)  # c seen before: it may displace
+    assert (r.inserted, len(r.evicted)) == (1, 1)
+    r = cache.insert(chain("p", pin=10.0), 4)  # pinned: cached on its first request
+    assert r.inserted == 1 and "p" in cached(cache)

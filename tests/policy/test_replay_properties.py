@@ -86,3 +86,20 @@ def test_room_for_everything_reaches_the_ceiling(trace: Trace, extra: int) -> No
         assert hit_rate(trace, name, capacity) == ceiling, name
     # admission refuses first requests, so it can only lose hits
     assert hit_rate(trace, "tinylfu", capacity) <= ceiling
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces(), capacity=st.integers(0, 12), data=st.data())
+def test_default_refuses_only_displacements(trace: Trace, capacity: int, data: st.DataObject) -> None:
+    """The default's gate: free room and pinned blocks are never refused; it refuses evictions only."""
+    cache = PolicyCache(get_policy("default"), capacity)
+    for request in trace.requests:
+        now = request.time_s
+        pin_until = data.draw(st.sampled_from([0.0, now + 5.0]), label="pin")
+        result = cache.insert([BlockSpec(block_hash=b, pinned_until=pin_until) for b in request.blocks], now)
+        if not result.rejected:
+            continue
+        assert len(cache) == capacity, "refused a block while there was room"
+        if pin_until > now:  # a pinned block is refused only when nothing else may go
+            others = [i for i in cache.evictable(now) if i.block_hash not in request.blocks]
+            assert not others, "refused a pinned block although a leaf could be evicted"
