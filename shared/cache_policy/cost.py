@@ -22,6 +22,9 @@ requested once (unique tails); caching them at the cost of a reused block is
 what keeps plain recency low. Mooncake synthetic trace, prefix hit rate of
 input blocks at 1 / 3 / 10 / 30 % of its unique blocks: 0.045 / 0.119 /
 0.284 / 0.511 (lru 0.038 / 0.107 / 0.262 / 0.488, offline Belady 0.31 at 3 %).
+The rest of Belady's lead is knowing which once-seen blocks return: even a
+reuse-probability table over (requests, idle time, depth) fitted to that
+same trace ranks no better (0.119 at 3 %).
 """
 
 from __future__ import annotations
