@@ -1,4 +1,5 @@
-"""L3 garbage collection: delete chunk objects past their TTL, over a tenant's quota, over the bucket budget.
+"""L3 garbage collection: delete chunk objects past their TTL, over a tenant's quota, over the bucket budget,
+and damaged ones a scrub finds.
 
 L3 is content-addressed (`{fingerprint}/{namespace}/{last block hash}`):
 two workers writing the same chunk write one object, so there is one copy
@@ -9,6 +10,10 @@ its size. Order of the cuts: expired first (TTL from the metadata), then
 each namespace down to its quota, then the bucket down to its byte budget;
 within a cut, the policy's lowest priority goes first. A pinned chunk (any
 of its blocks pinned) is never deleted, not even when expired.
+
+`scrub` reads every object once (again only if it changes), a byte budget
+per pass, and removes the damaged: no reader would ever be served them, but
+they would hold their key (writers skip existing keys) and their bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 
 from shared.cache_policy.base import BlockInfo, EvictionPolicy
 from shared.eviction.pins import PinTable
-from shared.tiers.l3_store import L3Store
+from shared.tiers.l3_store import DAMAGED, L3Store
 from shared.tiers.miss import Miss
 
 
@@ -30,6 +35,7 @@ class L3Object:
     last_access: float  # unix seconds
     ttl_s: float
     blocks: int
+    etag: str = ""  # changes when the object is rewritten: a scrub verifies it again
 
     @property
     def last_hash(self) -> bytes:
@@ -72,8 +78,32 @@ def scan(store: L3Store) -> list[L3Object]:
             return meta.get(f"x-amz-meta-{name}", default)
         out.append(L3Object(key=item.object_name, namespace=get("namespace", item.object_name.split("/")[1]),
                             size=int(st.size or 0), last_access=float(get("last-access", "0")),
-                            ttl_s=float(get("ttl-s", str(store.ttl_s))), blocks=int(get("blocks", "1"))))
+                            ttl_s=float(get("ttl-s", str(store.ttl_s))), blocks=int(get("blocks", "1")),
+                            etag=st.etag or ""))
     return out
+
+
+def scrub(store: L3Store, objects: Iterable[L3Object], verified: set[tuple[str, str]],
+          budget_bytes: int) -> list[str]:
+    """Verify objects not in `verified` (key, etag) until `budget_bytes` are read; the damaged ones' keys.
+
+    Reading a damaged object through the store deletes it (`L3Store.get_chunk`); `verified` gains the
+    good ones. An object that could not be read (S3 away) is tried again next pass.
+    """
+    damaged: list[str] = []
+    spent = 0
+    for obj in objects:
+        if (obj.key, obj.etag) in verified:
+            continue
+        if spent >= budget_bytes:
+            break
+        spent += obj.size
+        result = store.get_chunk(obj.key)
+        if not isinstance(result, Miss):
+            verified.add((obj.key, obj.etag))
+        elif result.reason in DAMAGED:
+            damaged.append(obj.key)
+    return damaged
 
 
 def chunk_pinned(store: L3Store, pins: PinTable, now: float) -> Callable[[L3Object], bool]:

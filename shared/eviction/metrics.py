@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 @dataclass(frozen=True, slots=True)
 class EvictionMetrics:
     commands: Counter  # label kind: demote | warm
-    l3_deleted: Counter  # label reason: expired | over_quota | over_capacity
+    l3_deleted: Counter  # label reason: expired | over_quota | over_capacity | damaged
 
     @classmethod
     def create(cls, registry: CollectorRegistry, pins: Callable[[], float], workers: Callable[[], float],

@@ -6,7 +6,7 @@ each cache-index replica does) into an `OccupancyView`, watches the
 within `warm_window_s` gets a `Warm` of the hottest L3 chunks), answers
 `EVICTION_PIN`, and every `tick_s` sends the `Advisor`'s demotions to
 `subjects.commands(worker)` (stream COMMANDS). Every `gc_interval_s` it
-scans L3 and deletes what `plan_gc` picks. It only advises: workers never
+scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks. It only advises: workers never
 wait for it, and if it is down they evict locally under their own policy.
 All times are unix seconds (L3 metadata and pins are wall-clock).
 """
@@ -27,7 +27,7 @@ from shared.bus.publish import Publisher
 from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
-from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan
+from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan, scrub
 from shared.eviction.messages import PinReply, PinRequest, Warm, WorkerCommand
 from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
@@ -59,6 +59,7 @@ class EvictionService:
         self.pins = PinTable()
         self.advisor = Advisor(self.view, self.pins, self.policy, settings, l1_capacity)
         self.l3_objects: list[L3Object] = []
+        self._verified: set[tuple[str, str]] = set()  # (key, etag) of L3 objects a scrub read intact
         self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status
         self.deleted = 0
         self.metrics = None if registry is None else EvictionMetrics.create(
@@ -108,6 +109,9 @@ class EvictionService:
         store, now = self.l3, time.time()
         objects = await asyncio.to_thread(scan, store)
         s = self.settings
+        self._verified &= {(o.key, o.etag) for o in objects}
+        damaged = set(await asyncio.to_thread(scrub, store, objects, self._verified, s.scrub_bytes_per_pass))
+        objects = [o for o in objects if o.key not in damaged]
         limits = GCLimits(capacity_bytes=s.l3_capacity_bytes, namespace_quota_bytes=s.namespace_quota_bytes)
         pinned = chunk_pinned(store, self.pins, now)
 
@@ -122,13 +126,13 @@ class EvictionService:
         self.view.l3.difference_update(gone_hashes)
         if self.metrics is not None:
             for reason, keys in (("expired", plan.expired), ("over_quota", plan.over_quota),
-                                 ("over_capacity", plan.over_capacity)):
+                                 ("over_capacity", plan.over_capacity), ("damaged", damaged)):
                 self.metrics.l3_deleted.labels(reason).inc(len(keys))
         gone = set(plan.keys)
         self.l3_objects = [o for o in objects if o.key not in gone]
-        if gone:
+        if gone or damaged:
             log.info("L3 gc", expired=len(plan.expired), over_quota=len(plan.over_quota),
-                     over_capacity=len(plan.over_capacity))
+                     over_capacity=len(plan.over_capacity), damaged=len(damaged))
         return plan
 
     async def warm(self, worker: str, incarnation: str = "") -> WorkerCommand | None:

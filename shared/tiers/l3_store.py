@@ -8,9 +8,12 @@ by its last block. Inside, a table of contents gives each block's offset
 (chunk_format.py), so a handle (key + offset + size) is one ranged GET.
 
 Writes stat first and skip existing objects (idempotent; a racing identical
-PUT is harmless: S3 PUT is atomic per object). Every call goes through the
-circuit breaker: while it is open, reads are `TIER_DOWN` misses and writes
-raise `L3Unavailable` at once.
+PUT is harmless: S3 PUT is atomic per object). A read that finds an object
+damaged (checksum, truncation, wrong content under its key) deletes it: it
+can never be served, and since writes skip existing keys, only its removal
+lets the next writer of that chunk put a good copy back. Every call goes
+through the circuit breaker: while it is open, reads are `TIER_DOWN` misses
+and writes raise `L3Unavailable` at once.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from shared.tiers.handle import BlockHandle
 from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 _ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+# What an object can show that makes it useless for good. Not an unknown format version (a newer
+# writer's, in a rolling upgrade) nor another model's fingerprint (the reader's mistake, not the object's).
+DAMAGED = frozenset({MissReason.BAD_MAGIC, MissReason.TRUNCATED, MissReason.CHECKSUM, MissReason.WRONG_BLOCK})
 # Failures that mean "S3 is not answering properly" (they count against the breaker).
 S3_DOWN_ERRORS = (urllib3.exceptions.HTTPError, OSError, MinioException)
 
@@ -42,6 +48,7 @@ class L3Unavailable(RuntimeError):
 class L3Stats:
     chunks_written: int = 0
     chunks_skipped: int = 0  # already present: idempotent write
+    chunks_quarantined: int = 0  # found damaged on a read and deleted
 
 
 @dataclass
@@ -110,8 +117,8 @@ class L3Store:
         if isinstance(buf, Miss):
             return buf
         if checksum_of(buf).hex() != handle.checksum:
-            return self._miss(MissReason.CHECKSUM, "checksum differs from the handle")
-        return self._decode(buf, handle.hash_bytes)
+            return self._damaged(handle.object_key, self._miss(MissReason.CHECKSUM, "checksum differs from the handle"))
+        return self._damaged(handle.object_key, self._decode(buf, handle.hash_bytes))
 
     def get_chunk(self, key: str) -> list[StoredBlock] | Miss:
         """Every block of one object, each verified; any bad block makes the whole chunk a miss."""
@@ -121,12 +128,12 @@ class L3Store:
         try:
             entries = decode_toc(buf)
         except BlockMiss as miss:
-            return self._miss(miss.reason, miss.detail)
+            return self._damaged(key, self._miss(miss.reason, miss.detail))
         out: list[StoredBlock] = []
         for block_hash, off, size in entries:
             block = self._decode(memoryview(buf)[off:off + size], block_hash)
             if isinstance(block, Miss):
-                return block
+                return self._damaged(key, block)
             out.append(block)
         return out
 
@@ -184,8 +191,19 @@ class L3Store:
         self.breaker.record_success()
         return data
 
+    def _damaged(self, key: str, result: StoredBlock | Miss) -> StoredBlock | Miss:
+        """Pass `result` through; when it says the object is damaged, delete the object first."""
+        if isinstance(result, Miss) and result.reason in DAMAGED:
+            try:
+                self.client.remove_object(self.bucket, key)
+                self.stats.chunks_quarantined += 1
+            except S3_DOWN_ERRORS:
+                pass  # still damaged, still never served: the next reader or the GC's scrub tries again
+        return result
+
     def _decode(self, buf, block_hash: bytes) -> StoredBlock | Miss:
-        return decode_or_miss(buf, self.fingerprint, block_hash, Tier.L3, self.counters)
+        # No fingerprint (the eviction service's store, which serves no model): any model's blocks verify.
+        return decode_or_miss(buf, self.fingerprint or None, block_hash, Tier.L3, self.counters)
 
     def _miss(self, reason: MissReason, detail: str = "") -> Miss:
         return self.counters.record(Miss(Tier.L3, reason, detail))

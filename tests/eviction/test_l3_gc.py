@@ -5,13 +5,15 @@ The clock is the `now` given to `plan_gc`: "later" is a number, not a sleep.
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import replace
 
 from shared.cache_policy.registry import get_policy
-from shared.eviction.l3_gc import GCLimits, apply_gc, chunk_pinned, plan_gc, scan
+from shared.eviction.l3_gc import GCLimits, apply_gc, chunk_pinned, plan_gc, scan, scrub
 from shared.eviction.pins import PinTable
 from shared.tiers.block_format import encode_kv_block
+from shared.tiers.miss import MissReason, Tier
 
 from .helpers import kv_chain, l3_store
 
@@ -96,3 +98,23 @@ def test_two_workers_writing_one_prefix_leave_one_copy_and_gc_counts_it_once(s3_
     plan = plan_gc(objects, GCLimits(capacity_bytes=2 * size), get_policy("cost"), now,
                    chunk_pinned(store, PinTable(), now))
     assert plan.keys == []  # two objects, not four: within a two-object budget
+
+
+def test_scrub_removes_damaged_objects_and_reads_each_intact_one_once(s3_server) -> None:
+    store = l3_store(s3_server, FP, chunk_blocks=2)
+    gc_store = replace(store, fingerprint="")  # the eviction service's store serves no model
+    good = _keys(store, "t-s", kv_chain(4, seed=21))
+    bad = _keys(store, "t-s", kv_chain(2, seed=22))[0]
+    body = bytearray(store.client.get_object(store.bucket, bad).read())
+    body[-1] ^= 0xFF  # the tail of the last block's payload: a checksum miss
+    store.client.put_object(store.bucket, bad, io.BytesIO(bytes(body)), len(body))
+    verified: set[tuple[str, str]] = set()
+    objects = [o for o in scan(gc_store) if o.namespace == "t-s"]
+    first = scrub(gc_store, objects, verified, budget_bytes=1)  # the budget: one object this pass
+    assert len(first) + len(verified) == 1
+    assert first + scrub(gc_store, objects, verified, budget_bytes=10**9) == [bad]
+    assert {o.key for o in scan(gc_store) if o.namespace == "t-s"} == set(good)  # already deleted
+    assert {k for k, _ in verified} == set(good)
+    reads = gc_store.counters.get(Tier.L3, MissReason.CHECKSUM)
+    assert scrub(gc_store, [o for o in objects if o.key != bad], verified, budget_bytes=10**9) == []
+    assert gc_store.counters.get(Tier.L3, MissReason.CHECKSUM) == reads and gc_store.stats.chunks_quarantined == 1

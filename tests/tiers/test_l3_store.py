@@ -79,10 +79,12 @@ def test_writes_are_idempotent_and_concurrent_writers_leave_one_object(s3_server
     assert len(got) == 4
 
 
-def test_corrupt_truncated_and_foreign_objects_are_counted_misses(s3_server, make_chain, fp) -> None:
+def test_damaged_objects_are_counted_misses_then_deleted_so_a_good_copy_is_written(s3_server, make_chain,
+                                                                                    fp) -> None:
     store = _store(s3_server, fp)
     blocks = make_chain(4)
-    handles = store.put_chain("ns", [encode_kv_block(b, fp) for b in blocks])
+    encoded = [encode_kv_block(b, fp) for b in blocks]
+    handles = store.put_chain("ns", encoded)
     key = handles[0].object_key
     body = bytearray(store.client.get_object(store.bucket, key).read())
 
@@ -93,16 +95,24 @@ def test_corrupt_truncated_and_foreign_objects_are_counted_misses(s3_server, mak
     flipped[handles[2].offset + handles[2].size // 2] ^= 0x10
     overwrite(bytes(flipped))
     assert store.get_block(handles[2]).reason is MissReason.CHECKSUM
-    assert isinstance(store.get_chunk(key), Miss)
-    assert not isinstance(store.get_block(handles[1]), Miss)  # the other blocks still verify
+    assert store.get_chunk(key).reason is MissReason.NOT_FOUND  # the damaged object was removed
+    assert store.stats.chunks_quarantined == 1
+    store.put_chain("ns", encoded)  # the next writer puts a good copy back instead of skipping the key
+    assert store.stats.chunks_written == 2 and len(store.get_chunk(key)) == 4
+
     overwrite(bytes(body[: handles[3].offset + 100]))
     assert store.get_chunk(key).reason is MissReason.TRUNCATED
     assert store.load_prefix("ns", [b.block_hash for b in blocks]) == []
-    assert store.counters.get(Tier.L3, MissReason.CHECKSUM) >= 2
-    assert store.counters.get(Tier.L3, MissReason.TRUNCATED) >= 2
+    assert store.counters.get(Tier.L3, MissReason.CHECKSUM) == 1
+    assert store.counters.get(Tier.L3, MissReason.TRUNCATED) == 1
+    assert store.stats.chunks_quarantined == 2
+
     overwrite(bytes(body))
     other_model = L3Store(store.client, store.bucket, "other-model-fp", chunk_blocks=4)
     miss = other_model.get_chunk(key)
     assert miss.reason is MissReason.FINGERPRINT
     assert other_model.get_block(handles[0]).reason is MissReason.FINGERPRINT
+    assert other_model.stats.chunks_quarantined == 0  # another model's reader leaves the object alone
     assert store.get_block(handles[0]).header.fingerprint == fp
+    any_model = L3Store(store.client, store.bucket, "", chunk_blocks=4)  # the GC's store: no model
+    assert len(any_model.get_chunk(key)) == 4
