@@ -3,8 +3,9 @@
 Each check returns a bool; the runner puts them in the report under
 `invariants`. The rules: an accepted request ends with the fault-free
 tokens or with a retriable error inside its deadline; nothing stays queued
-in a work-queue stream; latency comes back within 2x the baseline p99. The
-index's agreement with the workers is checked in `chaos.index_truth`.
+in a work-queue stream; latency comes back within 2x the baseline p99; no
+damaged L3 object outlives the GC window. The index's agreement with the
+workers is checked in `chaos.index_truth`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from minio import Minio
+
 from chaos.load import Outcome
 from chaos.stack import stream_backlog
+from shared.tiers.block_format import decode_block
+from shared.tiers.chunk_format import decode_toc
+from shared.tiers.miss import BlockMiss
 
 RETRIABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -62,3 +68,31 @@ def nothing_pending(nats_urls: list[str], timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.5)
     return False
+
+
+def damaged_l3_objects(client: Minio, bucket: str) -> list[str]:
+    """Objects in `bucket` that are not intact chunks (read-only: a reader through `L3Store` would delete them)."""
+    damaged: list[str] = []
+    for item in client.list_objects(bucket, recursive=True):
+        resp = client.get_object(bucket, item.object_name)
+        try:
+            buf = resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+        try:
+            for block_hash, off, size in decode_toc(buf):
+                decode_block(memoryview(buf)[off:off + size], None, block_hash)
+        except BlockMiss:
+            damaged.append(item.object_name)
+    return damaged
+
+
+def l3_intact(client: Minio, bucket: str, timeout_s: float = 30.0) -> bool:
+    """No damaged object outlives the GC window: readers quarantine what they hit, the scrub the rest."""
+    deadline = time.monotonic() + timeout_s
+    while damaged_l3_objects(client, bucket):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True

@@ -21,7 +21,7 @@ from chaos import index_truth, invariants, l3_corrupt, overload
 from chaos.load import Load, Outcome
 from chaos.proxy import Fault, FaultProxy
 from chaos.report import counts, plot
-from chaos.stack import API_KEY, EVICTION, INDEX, WORKERS, ChaosStack
+from chaos.stack import API_KEY, BUCKET, EVICTION, INDEX, WORKERS, ChaosStack
 
 Step = Callable[[ChaosStack], None]
 
@@ -102,8 +102,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("nats-leader-kill", "SIGKILL the NATS node leading the JOBS stream (3-node cluster, R3 streams), "
              "restart it after the fault window", lambda stack: stack.kill_nats_leader(),
              lambda stack: stack.restart_dead_nats()),
-    Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a worker reading them counts checksum misses "
-             "and still answers the reference", _nothing, timed_fault=False, probe=l3_corrupt.probe),
+    Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a prefill worker restarted empty must read "
+             "them, counts checksum misses, still answers the reference, and the damaged objects go",
+             _nothing, cleanup=_restart("prefill-1"), timed_fault=False, probe=l3_corrupt.probe),
     Scenario("overload", f"a burst of {overload.BURST} requests over an in-flight limit of {overload.OVERLOAD_LIMIT}: "
              "429/503 + Retry-After at once, admitted ones correct", _nothing, timed_fault=False,
              probe=overload.probe),
@@ -128,15 +129,20 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
     """Baseline load, fault for duration_s (or an instant), heal, recovery; the scenario's report dict."""
     load = Load(stack.base_url, API_KEY, stack.model_dir.name, sessions=sessions).start()
     t0 = time.monotonic()
-    _wait(lambda: len(load.outcomes) >= 2 * sessions, 60)
-    fault_at = time.monotonic()
-    scenario.inject(stack)
-    probed = scenario.probe(stack, refs) if scenario.probe is not None else {}
-    if scenario.timed_fault:
-        _wait(lambda: time.monotonic() - fault_at >= duration_s, duration_s)
-    scenario.heal(stack)
-    healed_at = time.monotonic()
-    _wait(lambda: sum(1 for o in list(load.outcomes) if o.ok and o.started >= healed_at) >= 2 * sessions, 90)
+    try:
+        _wait(lambda: len(load.outcomes) >= 2 * sessions, 60)
+        fault_at = time.monotonic()
+        scenario.inject(stack)
+        probed = scenario.probe(stack, refs) if scenario.probe is not None else {}
+        if scenario.timed_fault:
+            _wait(lambda: time.monotonic() - fault_at >= duration_s, duration_s)
+        scenario.heal(stack)
+        healed_at = time.monotonic()
+        _wait(lambda: sum(1 for o in list(load.outcomes) if o.ok and o.started >= healed_at) >= 2 * sessions, 90)
+    except BaseException:
+        load.finish()
+        scenario.cleanup(stack)  # a broken scenario must not leave the next one a broken stack
+        raise
     outcomes = load.finish()
     scenario.cleanup(stack)
     baseline = [o for o in outcomes if o.ended <= fault_at]
@@ -156,6 +162,7 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
             "errors_clean": invariants.errors_clean(outcomes, load.request_timeout_s),
             "nothing_pending": invariants.nothing_pending(stack.nats_urls),
             "index_converged": index_truth.index_converged(stack.nats_urls, WORKERS),
+            "l3_intact": invariants.l3_intact(stack.s3.client(), BUCKET),
             "recovered": first_good is not None,
             **probed,
         },

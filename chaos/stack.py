@@ -106,6 +106,7 @@ class ChaosStack:
             KVMESH_S3_ACCESS_KEY=self.s3.access_key,
             KVMESH_S3_SECRET_KEY=self.s3.secret_key,
             KVMESH_S3__BUCKET=BUCKET,
+            KVMESH_EVICTION__GC_INTERVAL_S="2",  # the GC window the l3_intact invariant allows
             KVMESH_LOG_LEVEL="info",
         )
         return env
@@ -117,11 +118,13 @@ class ChaosStack:
         self.procs[service_id] = spawn_process(service_id, argv, self.root / "logs" / f"{service_id}.log",
                                                detach=False, env=self.env(service_id))
 
-    def restart(self, service_id: str, timeout_s: float = 120.0) -> None:
-        """Start a killed service again under the same id (and wait until it is ready and live)."""
+    def restart(self, service_id: str, timeout_s: float = 120.0, wait_all: bool = True) -> None:
+        """Start a killed service again under the same id; wait until it is ready and (wait_all) every
+        worker is live again."""
         self.spawn(self.services[service_id], service_id)
         self.wait_ready(service_id, timeout_s)
-        self.wait_live(timeout_s)
+        if wait_all:
+            self.wait_live(timeout_s)
 
     def wait_ready(self, service_id: str, timeout_s: float) -> None:
         try:
@@ -137,6 +140,14 @@ class ChaosStack:
                 return
             time.sleep(0.3)
         raise TimeoutError("workers did not all become live")
+
+    def wait_down(self, worker: str, timeout_s: float) -> None:
+        """`worker`'s heartbeat is gone from NATS (the ingress stops routing to it)."""
+        deadline = time.monotonic() + timeout_s
+        while worker in asyncio.run(_alive(self.nats_urls)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{worker} still live after {timeout_s}s")
+            time.sleep(0.3)
 
     def signal(self, service_id: str, sig: int) -> None:
         os.kill(self.procs[service_id].pid, sig)

@@ -5,7 +5,8 @@ Scenarios run in a fixed order on the same stack; each heals and restores
 full strength in its cleanup, so the next starts healthy. A scenario passes
 when every invariant holds: outputs identical to the fault-free reference,
 errors clean and retriable, nothing left pending in JetStream, the cache
-index agreeing with every worker's own state, latency recovered. The last test checks that stopping the stack leaks nothing.
+index agreeing with every worker's own state, no damaged L3 object left, latency
+recovered. The last test checks that stopping the stack leaks nothing.
 """
 
 from __future__ import annotations
