@@ -6,7 +6,9 @@ each cache-index replica does) into an `OccupancyView`, watches the
 within `warm_window_s` gets a `Warm` of the hottest L3 chunks), answers
 `EVICTION_PIN`, and every `tick_s` sends the `Advisor`'s demotions to
 `subjects.commands(worker)` (stream COMMANDS). Every `gc_interval_s` it
-scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks. It only advises: workers never
+scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks;
+with an `events` publisher it reports the blocks of deleted chunks as
+`BlockRemoved(L3)`, so the cache index's L3 presence does not go stale. It only advises: workers never
 wait for it, and if it is down they evict locally under their own policy.
 All times are unix seconds (L3 metadata and pins are wall-clock).
 """
@@ -24,6 +26,7 @@ from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
 
 from shared.bus.publish import Publisher
+from shared.kv_events.publisher import KVEventPublisher
 from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
@@ -41,7 +44,7 @@ from shared.protocol.messages import Heartbeat, Role
 from shared.protocol.streams import KV_EVENTS
 from shared.service.watch import Change, follow_workers
 from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss
+from shared.tiers.miss import Miss, Tier
 
 log = get_logger(__name__)
 
@@ -52,8 +55,10 @@ class EvictionService:
     """`start()`, then `pin` serves EVICTION_PIN; `stop()` ends its tasks. `l3=None`: no GC, no warm-up."""
 
     def __init__(self, nc: NATS, js: JetStreamContext, publisher: Publisher, settings: EvictionSettings,
-                 l1_capacity: int, l3: L3Store | None = None, registry: CollectorRegistry | None = None) -> None:
+                 l1_capacity: int, l3: L3Store | None = None, registry: CollectorRegistry | None = None,
+                 events: KVEventPublisher | None = None) -> None:
         self.nc, self.js, self.publisher, self.settings, self.l3 = nc, js, publisher, settings, l3
+        self.events = events
         self.policy = get_policy(settings.policy)
         self.view = OccupancyView()
         self.pins = PinTable()
@@ -124,6 +129,8 @@ class EvictionService:
         gone_hashes = await asyncio.to_thread(_toc_hashes, store, plan.keys)
         self.deleted += await asyncio.to_thread(apply_gc, store, plan.keys)
         self.view.l3.difference_update(gone_hashes)
+        if self.events is not None:
+            self.events.removed(gone_hashes, Tier.L3)
         if self.metrics is not None:
             for reason, keys in (("expired", plan.expired), ("over_quota", plan.over_quota),
                                  ("over_capacity", plan.over_capacity), ("damaged", damaged)):

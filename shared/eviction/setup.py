@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.eviction.messages import PinRequest
 from shared.eviction.service import EvictionService
+from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
 from shared.service.runner import ServiceContext
 from shared.tiers.factory import build_l3_store
@@ -14,8 +15,13 @@ async def setup(ctx: ServiceContext) -> None:
     s = ctx.settings
     # No fingerprint: the service garbage-collects every model's chunks in the bucket.
     l3 = build_l3_store(s, "", s.engine.block_size, MissCounters())
+    events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)  # L3 deletions -> the cache index
+    await events.start(ctx.nc)
+    ctx.kv_position = events.position
     service = EvictionService(ctx.nc, ctx.js, ctx.publisher, s.eviction,
-                              s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry)
+                              s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry,
+                              events)
     await service.start()
     ctx.add_endpoint(subjects.EVICTION_PIN, PinRequest, service.pin)
     ctx.on_stop.append(service.stop)
+    ctx.on_stop.append(events.stop)

@@ -3,21 +3,26 @@
 A worker's real `KVEventPublisher` reports blocks; the service sends demote
 advice to the over-full worker's `commands(worker)` subject (stream
 COMMANDS); a pin request keeps a chain out of the advice; a new worker's
-heartbeat brings a `Warm` listing the hottest L3 chunks.
+heartbeat brings a `Warm` listing the hottest L3 chunks; chunks its GC
+deletes leave the cache index's L3 presence.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from bus.helpers import FAST_BUS, connected, eventually, unique
 
 from shared.bus.publish import Publisher
 from shared.bus.request import serve
+from shared.cache_index.index import keys_of
+from shared.cache_index.service import CacheIndex
 from shared.config import EvictionSettings, IndexSettings
 from shared.eviction.client import pin_prefix
+from shared.eviction.l3_gc import scan
 from shared.eviction.messages import Demote, PinRequest, Warm, WorkerCommand
 from shared.eviction.service import EvictionService
 from shared.kv_events.publisher import KVEventPublisher
@@ -125,3 +130,37 @@ async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server
 async def test_pin_without_the_service_is_none_not_an_error(fresh_nats_server) -> None:
     async with connected(fresh_nats_server.url, "test") as nc:
         assert await pin_prefix(nc, chain(2, "x"), ttl_s=5, timeout_s=0.2) is None
+
+
+async def test_gc_reports_deleted_chunks_to_the_cache_index_as_l3_removals(fresh_nats_server, s3_server) -> None:
+    url, fp = fresh_nats_server.url, "fp-gc-events-01"
+    store = replace(l3_store(s3_server, fp, chunk_blocks=2), ttl_s=1)
+    gone, kept = kv_chain(4, seed=31), kv_chain(2, seed=32)
+    store.put_chain("t", [encode_kv_block(kb, fp) for kb in gone])
+    replace(store, ttl_s=3600).put_chain("t", [encode_kv_block(kb, fp) for kb in kept])
+    gc_view = L3Store(store.client, store.bucket, fingerprint="")
+    s = IndexSettings(flush_interval_s=0.01, snapshot_every_s=3600, snapshot_name=unique("snap"))
+    async with connected(url, "eviction") as nc, worker_events(url, unique("w")) as worker:
+        worker.stored([kb.block_hash for kb in gone + kept], Tier.L3, tokens_per_block=16)
+        await worker.flushed()
+        index = CacheIndex(nc, nc.jetstream(), s, watch=False)
+        await index.start()
+        events = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), unique("eviction"), s)
+        await events.start(nc)
+        svc = EvictionService(nc, nc.jetstream(), Publisher(nc.jetstream(), FAST_BUS), SETTINGS, 1000, gc_view,
+                              events=events)
+        in_l3 = lambda blocks: index.state.index.lookup(  # noqa: E731
+            keys_of([kb.block_hash.hex() for kb in blocks])).l3_blocks
+        await eventually(lambda: in_l3(gone) == 4 and in_l3(kept) == 2, 10, "the worker's L3 blocks indexed")
+        await eventually(lambda: time.time() > _expiry(gc_view) + 0.1, 5, "the short TTL passed")
+        plan = await svc.collect()
+        assert len(plan.expired) == 2
+        await events.flushed()
+        await eventually(lambda: in_l3(gone) == 0, 10, "the deleted chunks' blocks left the index's L3")
+        assert in_l3(kept) == 2
+        await events.stop()
+        await index.stop(write_snapshot=False)
+
+
+def _expiry(store: L3Store) -> float:
+    return min(o.expires_at for o in scan(store))
