@@ -64,6 +64,8 @@ class WorkerTiers:
             if events is not None:
                 def on_uploaded(handles: list[BlockHandle]) -> None:
                     events.stored([h.hash_bytes for h in handles], Tier.L3, tokens_per_block=block_size)
+
+                l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
             uploads = UploadQueue(l3, settings.tiers.l3_upload_queue_bytes, on_uploaded=on_uploaded)
             uploads.start()
         server = NatsPeerServer(nc, l2, worker_id)

@@ -11,7 +11,8 @@ Writes stat first and skip existing objects (idempotent; a racing identical
 PUT is harmless: S3 PUT is atomic per object). A read that finds an object
 damaged (checksum, truncation, wrong content under its key) deletes it: it
 can never be served, and since writes skip existing keys, only its removal
-lets the next writer of that chunk put a good copy back. Every call goes
+lets the next writer of that chunk put a good copy back (`on_quarantined`
+hears which blocks left L3, for the cache index). Every call goes
 through the circuit breaker: while it is open, reads are `TIER_DOWN` misses
 and writes raise `L3Unavailable` at once.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import urllib3
@@ -61,6 +63,7 @@ class L3Store:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     counters: MissCounters = field(default_factory=MissCounters)
     stats: L3Stats = field(default_factory=L3Stats)
+    on_quarantined: Callable[[list[bytes]], None] | None = None  # hashes of a damaged chunk this store deleted
 
     def key(self, namespace: str, last_hash: bytes) -> str:
         return f"{self.fingerprint}/{namespace}/{last_hash.hex()}"
@@ -116,9 +119,10 @@ class L3Store:
         buf = self._read(handle.object_key, handle.offset, handle.size)
         if isinstance(buf, Miss):
             return buf
+        held = [handle.hash_bytes]  # what the ranged read knows the object holds
         if checksum_of(buf).hex() != handle.checksum:
-            return self._damaged(handle.object_key, self._miss(MissReason.CHECKSUM, "checksum differs from the handle"))
-        return self._damaged(handle.object_key, self._decode(buf, handle.hash_bytes))
+            return self._damaged(handle.object_key, held, self._miss(MissReason.CHECKSUM, "checksum differs"))
+        return self._damaged(handle.object_key, held, self._decode(buf, handle.hash_bytes))
 
     def get_chunk(self, key: str) -> list[StoredBlock] | Miss:
         """Every block of one object, each verified; any bad block makes the whole chunk a miss."""
@@ -128,12 +132,12 @@ class L3Store:
         try:
             entries = decode_toc(buf)
         except BlockMiss as miss:
-            return self._damaged(key, self._miss(miss.reason, miss.detail))
+            return self._damaged(key, [], self._miss(miss.reason, miss.detail))
         out: list[StoredBlock] = []
         for block_hash, off, size in entries:
             block = self._decode(memoryview(buf)[off:off + size], block_hash)
             if isinstance(block, Miss):
-                return self._damaged(key, block)
+                return self._damaged(key, [h for h, _, _ in entries], block)
             out.append(block)
         return out
 
@@ -191,14 +195,17 @@ class L3Store:
         self.breaker.record_success()
         return data
 
-    def _damaged(self, key: str, result: StoredBlock | Miss) -> StoredBlock | Miss:
-        """Pass `result` through; when it says the object is damaged, delete the object first."""
+    def _damaged(self, key: str, held: list[bytes], result: StoredBlock | Miss) -> StoredBlock | Miss:
+        """Pass `result` through; when it says the object (holding `held`, and the block its key names)
+        is damaged, delete the object first."""
         if isinstance(result, Miss) and result.reason in DAMAGED:
             try:
                 self.client.remove_object(self.bucket, key)
-                self.stats.chunks_quarantined += 1
             except S3_DOWN_ERRORS:
-                pass  # still damaged, still never served: the next reader or the GC's scrub tries again
+                return result  # still damaged, still never served: the next reader or the GC's scrub tries again
+            self.stats.chunks_quarantined += 1
+            if self.on_quarantined is not None:
+                self.on_quarantined(list(dict.fromkeys([*held, bytes.fromhex(key.rsplit("/", 1)[-1])])))
         return result
 
     def _decode(self, buf, block_hash: bytes) -> StoredBlock | Miss:

@@ -82,6 +82,8 @@ def test_writes_are_idempotent_and_concurrent_writers_leave_one_object(s3_server
 def test_damaged_objects_are_counted_misses_then_deleted_so_a_good_copy_is_written(s3_server, make_chain,
                                                                                     fp) -> None:
     store = _store(s3_server, fp)
+    left_l3: list[bytes] = []
+    store.on_quarantined = left_l3.extend
     blocks = make_chain(4)
     encoded = [encode_kv_block(b, fp) for b in blocks]
     handles = store.put_chain("ns", encoded)
@@ -97,6 +99,8 @@ def test_damaged_objects_are_counted_misses_then_deleted_so_a_good_copy_is_writt
     assert store.get_block(handles[2]).reason is MissReason.CHECKSUM
     assert store.get_chunk(key).reason is MissReason.NOT_FOUND  # the damaged object was removed
     assert store.stats.chunks_quarantined == 1
+    assert left_l3 == [blocks[2].block_hash, bytes.fromhex(key.rsplit("/", 1)[-1])]  # what the read knew
+    left_l3.clear()
     store.put_chain("ns", encoded)  # the next writer puts a good copy back instead of skipping the key
     assert store.stats.chunks_written == 2 and len(store.get_chunk(key)) == 4
 
@@ -106,6 +110,7 @@ def test_damaged_objects_are_counted_misses_then_deleted_so_a_good_copy_is_writt
     assert store.counters.get(Tier.L3, MissReason.CHECKSUM) == 1
     assert store.counters.get(Tier.L3, MissReason.TRUNCATED) == 1
     assert store.stats.chunks_quarantined == 2
+    assert set(left_l3) == {h.hash_bytes for h in handles if h.object_key == key}  # the whole chunk, from its TOC
 
     overwrite(bytes(body))
     other_model = L3Store(store.client, store.bucket, "other-model-fp", chunk_blocks=4)
