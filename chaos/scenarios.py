@@ -41,8 +41,12 @@ class Scenario:
     probe: Callable[[ChaosStack, dict[str, str]], dict[str, bool]] | None = None  # own checks in the fault window
 
 
+def _signal(service_id: str, sig: int) -> Step:
+    return lambda stack: stack.signal(service_id, sig)
+
+
 def _kill(service_id: str) -> Step:
-    return lambda stack: stack.signal(service_id, signal.SIGKILL)
+    return _signal(service_id, signal.SIGKILL)
 
 
 def _restart(service_id: str) -> Step:
@@ -84,6 +88,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _kill("decode-0"), cleanup=_restart("decode-0"), timed_fault=False),
     Scenario("prefill-kill", "SIGKILL a prefill worker holding jobs; the ingress retries them elsewhere",
              _kill("prefill-0"), cleanup=_restart("prefill-0"), timed_fault=False),
+    Scenario("decode-pause", "SIGSTOP a decode worker for the fault window (its heartbeat lapses, its streams "
+             "migrate), then SIGCONT: the zombie must not disturb the streams it lost",
+             _signal("decode-0", signal.SIGSTOP), _signal("decode-0", signal.SIGCONT)),
     Scenario("worker-latency", "40 ms +- 20 ms added between every worker and NATS",
              _proxy("nats", Fault(latency_ms=40, jitter_ms=20)), _proxy_heal("nats")),
     Scenario("s3-slow", "300 ms +- 100 ms and a 2 MB/s cap between the workers and S3",
