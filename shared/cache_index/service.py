@@ -35,6 +35,7 @@ from shared.kv_events.events import KVEventBatch
 from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
+from shared.protocol.messages import Heartbeat
 from shared.protocol.streams import KV_EVENTS
 from shared.service.runner import ServiceContext
 from shared.service.watch import Change, alive_workers, follow_workers
@@ -219,11 +220,15 @@ class CacheIndex:
                 continue
             if change.change is Change.UP and self.state.revive(worker):
                 self._schedule_dump(worker)  # back under the same id after a purge
-            elif self.ready and hb is not None and hb.kv_epoch is not None and hb.kv_seq is not None and \
-                    self.state.lagging(worker, hb.kv_epoch, hb.kv_seq, time.monotonic(), self.settings.lag_grace_s):
+            elif self.ready and hb is not None and self._lagging(hb):
                 log.warning("feed stuck behind the worker's published events; dumping", worker=worker,
                             published=hb.kv_seq)
                 self._schedule_dump(worker)
+
+    def _lagging(self, hb: Heartbeat) -> bool:
+        if hb.kv_epoch is None or hb.kv_seq is None:  # not a worker that publishes KV events
+            return False
+        return self.state.lagging(hb.worker_id, hb.kv_epoch, hb.kv_seq, time.monotonic(), self.settings.lag_grace_s)
 
     async def _snapshot_timer(self) -> None:
         while True:

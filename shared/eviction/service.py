@@ -7,9 +7,10 @@ within `warm_window_s` gets a `Warm` of the hottest L3 chunks), answers
 `EVICTION_PIN`, and every `tick_s` sends the `Advisor`'s demotions to
 `subjects.commands(worker)` (stream COMMANDS). Every `gc_interval_s` it
 scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks;
-with an `events` publisher it reports the blocks of deleted chunks as
-`BlockRemoved(L3)`, so the cache index's L3 presence does not go stale. It only advises: workers never
-wait for it, and if it is down they evict locally under their own policy.
+with an `events` publisher it reports the blocks of every chunk it deleted
+as `BlockRemoved(L3)`, so the cache index's L3 presence does not go stale.
+It only advises: workers never wait for it, and if it is down they evict
+locally under their own policy.
 All times are unix seconds (L3 metadata and pins are wall-clock).
 """
 
@@ -26,7 +27,6 @@ from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
 
 from shared.bus.publish import Publisher
-from shared.kv_events.publisher import KVEventPublisher
 from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
@@ -34,6 +34,7 @@ from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pi
 from shared.eviction.messages import PinReply, PinRequest, Warm, WorkerCommand
 from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
+from shared.kv_events.publisher import KVEventPublisher
 from shared.eviction.pins import PinTable
 from shared.eviction.warmup import plan_warm
 from shared.kv_events.events import KVEventBatch
@@ -59,6 +60,8 @@ class EvictionService:
                  events: KVEventPublisher | None = None) -> None:
         self.nc, self.js, self.publisher, self.settings, self.l3 = nc, js, publisher, settings, l3
         self.events = events
+        if events is not None and l3 is not None:  # what the scrub finds damaged and deletes
+            l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
         self.policy = get_policy(settings.policy)
         self.view = OccupancyView()
         self.pins = PinTable()

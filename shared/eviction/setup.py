@@ -8,7 +8,7 @@ from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
 from shared.service.runner import ServiceContext
 from shared.tiers.factory import build_l3_store
-from shared.tiers.miss import MissCounters, Tier
+from shared.tiers.miss import MissCounters
 
 
 async def setup(ctx: ServiceContext) -> None:
@@ -17,8 +17,6 @@ async def setup(ctx: ServiceContext) -> None:
     l3 = build_l3_store(s, "", s.engine.block_size, MissCounters())
     events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)  # L3 deletions -> the cache index
     await events.start(ctx.nc)
-    if l3 is not None:  # what the scrub finds damaged leaves L3 too
-        l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
     ctx.kv_position = events.position
     service = EvictionService(ctx.nc, ctx.js, ctx.publisher, s.eviction,
                               s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry,
