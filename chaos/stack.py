@@ -112,6 +112,11 @@ class ChaosStack:
         return env
 
     def spawn(self, service: str, service_id: str) -> None:
+        """Start `service` as `service_id`; a process still running under that id is stopped first, so a
+        restart never leaves the old one behind (it would hold the port and outlive `stop()`)."""
+        old = self.procs.get(service_id)
+        if old is not None and old.proc.poll() is None:
+            old.stop(grace_s=3.0)
         self.ports.setdefault(service_id, free_port())
         self.services[service_id] = service
         argv = [sys.executable, "-m", f"services.{service}"]
