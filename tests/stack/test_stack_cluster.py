@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from stack_harness import StackDir, assert_all_gone, assert_one_line_failure
 
@@ -35,13 +37,22 @@ async def check_cluster(url: str) -> None:
     await nc.close()
 
 
-async def kept_messages(url: str) -> list[bytes]:
+async def kept_messages(url: str, timeout_s: float = 30.0) -> list[bytes]:
+    """The test stream's messages, once the restarted cluster has elected the stream's leader again."""
     nc = await nats.connect(servers=url.split(","))
     js = nc.jetstream()
-    info = await js.stream_info(TEST_STREAM)
-    kept = [(await js.get_msg(TEST_STREAM, seq)).data for seq in range(1, info.state.messages + 1)]
-    await nc.close()
-    return kept
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                info = await js.stream_info(TEST_STREAM)
+                return [(await js.get_msg(TEST_STREAM, seq)).data for seq in range(1, info.state.messages + 1)]
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
 
 
 async def heartbeats(url: str) -> set[str]:
