@@ -15,6 +15,7 @@ import time
 import nats
 from nats.js import JetStreamContext
 
+from chaos.stack import nats_client
 from shared.bus.request import request
 from shared.cache_index import snapshot
 from shared.cache_index.index import keys_of
@@ -29,8 +30,7 @@ SNAPSHOT_NAME = "index"  # IndexSettings.snapshot_name's default: the chaos stac
 
 async def disagreements(nats_urls: list[str], workers: tuple[str, ...]) -> dict[str, int]:
     """Per worker: (block, tier) entries on which the index and the worker's own state differ."""
-    nc = await nats.connect(servers=nats_urls)
-    try:
+    async with nats_client(nats_urls) as nc:
         js = nc.jetstream()
         await request(nc, subjects.INDEX_SNAPSHOT, SnapshotRequest(), SnapshotReply, timeout_s=10.0)
         blob = await snapshot.load(js, SNAPSHOT_NAME)
@@ -43,8 +43,6 @@ async def disagreements(nats_urls: list[str], workers: tuple[str, ...]) -> dict[
             out[worker] = sum(len(set(keys_of(hashes)) ^ index.worker_keys(worker, tier))
                               for tier, hashes in ((Tier.L1, truth.l1), (Tier.L2, truth.l2)))
         return out
-    finally:
-        await nc.close()
 
 
 def index_converged(nats_urls: list[str], workers: tuple[str, ...], timeout_s: float = 30.0) -> bool:
@@ -63,11 +61,8 @@ def index_converged(nats_urls: list[str], workers: tuple[str, ...], timeout_s: f
 
 def last_event_seq(nats_urls: list[str]) -> int:
     async def go() -> int:
-        nc = await nats.connect(servers=nats_urls)
-        try:
+        async with nats_client(nats_urls) as nc:
             return int((await nc.jetstream().stream_info(KV_EVENTS.name)).state.last_seq)
-        finally:
-            await nc.close()
 
     return asyncio.run(go())
 
@@ -79,8 +74,7 @@ def drop_and_duplicate(nats_urls: list[str], after_seq: int) -> tuple[int, int]:
     workers' heartbeats), repair them by state dumps, and ignore the duplicates. Returns (dropped, duplicated).
     """
     async def go() -> tuple[int, int]:
-        nc = await nats.connect(servers=nats_urls)
-        try:
+        async with nats_client(nats_urls) as nc:
             js = nc.jetstream()
             last = int((await js.stream_info(KV_EVENTS.name)).state.last_seq)
             dropped = duplicated = 0
@@ -90,8 +84,6 @@ def drop_and_duplicate(nats_urls: list[str], after_seq: int) -> tuple[int, int]:
                 else:
                     duplicated += await _republish(js, seq)
             return dropped, duplicated
-        finally:
-            await nc.close()
 
     return asyncio.run(go())
 

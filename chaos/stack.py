@@ -17,8 +17,11 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chaos.proxy import FaultProxy
 from shared.stack.declare import declare_streams
@@ -26,6 +29,9 @@ from shared.stack.probe import wait_http_ok
 from shared.stack.servers import (
     ManagedProcess, NatsServer, S3Server, free_port, nats_cluster, pid_alive, port_in_use, spawn_process,
 )
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 API_KEY = "sk-chaos"
 PREFILLS = ("prefill-0", "prefill-1")
@@ -201,38 +207,35 @@ def _nats_nodes(root: Path, n: int) -> list[NatsServer]:
     return [NatsServer(data_dir=root / "nats")] if n <= 1 else nats_cluster(root, n, "kvmesh-chaos")
 
 
-async def _alive(nats_urls: list[str]) -> set[str]:
+@asynccontextmanager
+async def nats_client(nats_urls: list[str]) -> AsyncIterator[NATS]:
+    """A plain connection for one check or fault (no reconnects needed), closed on exit."""
     import nats
-
-    from shared.service.watch import alive_workers
 
     nc = await nats.connect(servers=nats_urls)
     try:
-        return set(await alive_workers(nc.jetstream()))
+        yield nc
     finally:
         await nc.close()
+
+
+async def _alive(nats_urls: list[str]) -> set[str]:
+    from shared.service.watch import alive_workers
+
+    async with nats_client(nats_urls) as nc:
+        return set(await alive_workers(nc.jetstream()))
 
 
 async def _stream_leader(nats_urls: list[str], stream: str) -> str:
-    import nats
-
-    nc = await nats.connect(servers=nats_urls)
-    try:
+    async with nats_client(nats_urls) as nc:
         info = await nc.jetstream().stream_info(stream)
-        if info.cluster is None or not info.cluster.leader:
-            raise RuntimeError(f"stream {stream} reports no cluster leader")
-        return info.cluster.leader
-    finally:
-        await nc.close()
+    if info.cluster is None or not info.cluster.leader:
+        raise RuntimeError(f"stream {stream} reports no cluster leader")
+    return info.cluster.leader
 
 
 async def stream_backlog(nats_urls: list[str], streams: tuple[str, ...] = ("JOBS", "HANDOFF")) -> dict[str, int]:
     """Messages still held by each work-queue stream (acked ones are deleted): 0 means nothing is pending."""
-    import nats
-
-    nc = await nats.connect(servers=nats_urls)
-    try:
+    async with nats_client(nats_urls) as nc:
         js = nc.jetstream()
         return {name: int((await js.stream_info(name)).state.messages) for name in streams}
-    finally:
-        await nc.close()

@@ -53,6 +53,18 @@ async def replica(url: str, settings: IndexSettings, watch: bool = False,
             await index.stop(write_snapshot=write_snapshot)
 
 
+async def publish_next(js, log: EventLog) -> None:
+    """Put the log's next batch in the stream, as the worker's publisher would."""
+    batch = log.take_batch()
+    await js.publish(subjects.kv_events(log.worker_id), batch.to_bytes())
+    log.published(batch.last_seq)
+
+
+def lose_next(log: EventLog) -> None:
+    """The log's next batch never reaches the stream (the worker believes it did)."""
+    log.published(log.take_batch().last_seq)
+
+
 def answer(index: CacheIndex, hashes: list[bytes]) -> dict[str, int]:
     res = index.state.index.lookup([int.from_bytes(h[:8], "big") for h in hashes])
     return {w: m.blocks for w, m in res.workers.items()}
@@ -98,16 +110,11 @@ async def test_sequence_gap_is_repaired_by_a_chunked_state_dump(fresh_nats_serve
         log = EventLog(worker, max_batch_hashes=50_000)
         dump_sub = await serve_dump(nc, worker, log.state_dump)
         log.cleared()
-        first = log.take_batch()
-        await js.publish(subjects.kv_events(worker), first.to_bytes())
-        log.published(first.last_seq)
+        await publish_next(js, log)
         log.stored(big, Tier.L2, tokens_per_block=16)
-        lost = log.take_batch()  # never reaches the stream
-        log.published(lost.last_seq)
+        lose_next(log)
         log.stored(chain(3, "after"), Tier.L1, tokens_per_block=16)
-        third = log.take_batch()
-        await js.publish(subjects.kv_events(worker), third.to_bytes())
-        log.published(third.last_seq)
+        await publish_next(js, log)
         await eventually(lambda: answer(idx, big).get(worker) == len(big), 10, "gap repaired by the dump")
         assert answer(idx, chain(3, "after")) == {worker: 3}
         assert idx.state.gaps() == [] and idx.state.feeds[worker].next_seq == log.seq + 1
@@ -123,12 +130,9 @@ async def test_a_lost_last_event_is_found_from_the_heartbeat_and_repaired(fresh_
         log = EventLog(worker)
         dump_sub = await serve_dump(nc, worker, log.state_dump)
         log.cleared()
-        first = log.take_batch()
-        await js.publish(subjects.kv_events(worker), first.to_bytes())
-        log.published(first.last_seq)
+        await publish_next(js, log)
         log.stored(blocks, Tier.L1, tokens_per_block=16)
-        lost = log.take_batch()  # the worker's last event never reaches the stream
-        log.published(lost.last_seq)
+        lose_next(log)  # the worker's last event: nothing after it shows the gap
         beat = HeartbeatLoop(js, worker, Role.PREFILL, "http://127.0.0.1:1", interval_s=0.3, ttl_s=5.0,
                              metrics=ServiceMetrics.create("test"),
                              kv_position=lambda: (log.epoch, log.published_seq))
