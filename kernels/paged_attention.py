@@ -7,7 +7,8 @@ position ``context_lens[i] - query_lens[i] + j`` and attends causally to
 every key at or before it. The new tokens' K/V must already be written
 (kernels.kv_write). Prefill over a cached prefix, chunked prefill and
 decode (query_len 1) mix freely in one call. GQA: q head h reads kv head
-``h // (Hq // Hkv)`` (HF ``repeat_kv``).
+``h // (Hq // Hkv)`` (HF ``repeat_kv``). The pool may hold K/V in a narrower
+dtype than q (a model's ``kv_cache_dtype``); they are read in q's dtype.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def _paged_attention_torch(
             else:
                 kv = kv_layer.index_select(1, block_tables[i, :nb])
             kv = kv.flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
+            if kv.dtype != q.dtype:  # a narrower KV dtype in the pool (kv_cache_dtype): attend in q's
+                kv = kv.to(q.dtype)
             out[start : start + qlen] = _attend(q[start : start + qlen], kv[0], kv[1], scale)
         start += qlen
     if start != q.shape[0]:

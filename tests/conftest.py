@@ -31,6 +31,12 @@ def tiny_qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama3_8b_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama-3-8B KV-geometry preset (32 layers x 8 KV heads x 128, bf16 KV, fp32 compute), written once."""
+    return write_preset(tmp_path_factory.mktemp("llama3-8b"), "llama3-8b", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir: Path):
     """The tiny Llama preset, loaded once per session."""
     from shared.engine.loader import load_model

@@ -82,7 +82,7 @@ def _paged_attention_kernel(
             # Slots past the context may hold anything (NaN included): never load them,
             # since a masked score still multiplies its V row by zero.
             kv_mask = in_ctx[:, None] & dm[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # the pool may store a narrower KV dtype
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             # Key 0 is visible to every row, so each row's running max is finite
             # after tile 0 and fully masked later tiles add exact zeros.
@@ -92,7 +92,7 @@ def _paged_attention_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]

@@ -20,6 +20,7 @@ def _describe(model_dir: Path) -> dict:
         "path": str(model_dir),
         "architecture": cfg.architecture,
         "dtype": cfg.dtype_name,
+        "kv_dtype": str(cfg.kv_dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in loaded.model.parameters()),
         "vocab_size": cfg.vocab_size,
         "num_layers": cfg.num_layers,
@@ -31,7 +32,7 @@ def _describe(model_dir: Path) -> dict:
 @app.command()
 def init(
     out: Annotated[Path, typer.Option(help="Directory to write the checkpoint into.")],
-    preset: Annotated[str, typer.Option(help="tiny (tests) or small (benchmarks).")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny (tests), small (benchmarks), llama3-8b or llama3-70b (real KV geometry).")] = "tiny",
     arch: Annotated[str, typer.Option(help="llama or qwen2.")] = "llama",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,

@@ -46,10 +46,10 @@ class Engine:
         self.loaded = loaded
         self.settings = settings
         self.block_size = settings.block_size
-        # The pool holds K/V in the model's compute dtype: that is what the model writes.
+        # The pool holds K/V in the model's KV dtype (its compute dtype unless the config says otherwise).
         self.kv_cache = torch.zeros(
             (cfg.num_layers, 2, settings.num_blocks, settings.block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=cfg.dtype,
+            dtype=cfg.kv_dtype,
             device=settings.device,
         )
         block_bytes = cfg.kv_bytes_per_token() * settings.block_size

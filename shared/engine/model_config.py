@@ -1,7 +1,11 @@
 """The shape of a model, parsed from an HF-format checkpoint dir.
 
 `ModelConfig` is what the engine sizes its KV pool and kernels from; it is
-frozen, so a loaded model's geometry cannot drift. `parse_model_config`
+frozen, so a loaded model's geometry cannot drift. `kv_dtype` is the dtype
+the KV pool stores (config key `kv_cache_dtype`, a kvmesh extension like
+vLLM's engine argument of that name; default: the compute dtype): the
+real-geometry presets compute in fp32, so cache transparency is checked
+without bf16 noise, and store bf16 KV, so their KV bytes are the real model's. `parse_model_config`
 reads HF `config.json` (plus the eos/bos ids that generation_config.json
 and tokenizer_config.json add) and fails with a `CheckpointError` naming
 the field it could not use.
@@ -42,12 +46,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of K and V one token occupies across all layers (in the KV pool's dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
@@ -123,6 +128,7 @@ def parse_model_config(
         raise CheckpointError("config.json: use_sliding_window=true is not supported")
     theta, scaling = _rope(raw)
     dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    kv_dtype_name = raw.get("kv_cache_dtype") or dtype_name
     eos = token_ids(raw.get("eos_token_id")) + list(extra_eos_ids or [])
     bos = raw.get("bos_token_id")
     bos = bos_token_id if bos is None else bos
@@ -140,6 +146,7 @@ def parse_model_config(
         # Qwen2 always has q/k/v bias; Llama only when the config says so.
         attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         dtype=resolve_dtype(dtype_name, "config.json dtype" if dtype is None else "dtype"),
+        kv_dtype=resolve_dtype(kv_dtype_name, "config.json kv_cache_dtype"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         **fields,

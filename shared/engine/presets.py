@@ -1,4 +1,12 @@
-"""Seeded synthetic checkpoints in HF format: `tiny` for tests, `small` for benches.
+"""Seeded synthetic checkpoints in HF format: `tiny` for tests, `small` for benches,
+`llama3-8b` / `llama3-70b` for the KV data path at real geometry.
+
+The geometry presets carry the real models' KV shape (layers, KV heads,
+head dim, bf16 KV: 131,072 bytes per token for Llama-3-8B, 327,680 for
+Llama-3-70B) and 32k positions, but a small hidden and MLP size, so they
+run on a CPU: what they exercise is every byte the cache moves, not the
+model's quality. They compute in the `dtype` asked for (fp32 by default)
+and store KV as bf16 (`kv_cache_dtype`).
 
 `write_preset` writes config.json, model.safetensors (or shards + index),
 tokenizer.json (a byte-level BPE trained at init), tokenizer_config.json
@@ -40,11 +48,15 @@ class Preset:
     head_dim: int
     vocab_size: int  # tokenizer training target; config takes the trained size
     max_position_embeddings: int
+    kv_cache_dtype: str | None = None  # None: KV in the compute dtype
 
 
 PRESETS = {
     "tiny": Preset(64, 176, 2, 4, 2, 16, 1024, 4096),
     "small": Preset(768, 2048, 6, 12, 4, 64, 8192, 16384),
+    # Real KV geometry (32 x 8 x 128 and 80 x 8 x 128, bf16); hidden/MLP cut to CPU size.
+    "llama3-8b": Preset(256, 512, 32, 8, 8, 128, 1024, 32768, "bfloat16"),
+    "llama3-70b": Preset(256, 512, 80, 8, 8, 128, 1024, 32768, "bfloat16"),
 }
 
 
@@ -70,6 +82,8 @@ def preset_config(preset: Preset, arch: str, dtype: str, vocab_size: int) -> dic
         "tie_word_embeddings": not llama,
         "torch_dtype": dtype,
     }
+    if preset.kv_cache_dtype is not None:
+        config["kv_cache_dtype"] = preset.kv_cache_dtype
     if llama:
         config["attention_bias"] = False
         config["rope_scaling"] = {
