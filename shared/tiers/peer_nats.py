@@ -1,72 +1,164 @@
-"""Peer fetch over NATS: request/reply with the block streamed in chunks below max_payload.
+"""Peer fetch over NATS: one request names a chain of blocks; the owner streams them back.
 
-A request to `peer_subject(worker)` carries the 32-byte block hash; the owner
-publishes the encoded block to the reply inbox as `count` messages, each
-prefixed by (index u32, count u32). count 0 means "not here". NATS keeps
-per-connection order, and the client still places chunks by index. A worker
-that is gone answers at once through the server's no-responders status.
+The client publishes the hashes (shared/transfer/pieces.py) to
+`peer_fetch_subject(owner)` with a reply inbox of its own. The owner answers
+with messages of up to the server's `max_payload` holding pieces of the
+blocks, in request order, built from views of its L2 (one join per message,
+no per-block round trip), and keeps at most the client's window of bytes in
+flight: the client credits what it has taken in on `peer_credit_subject`, so
+a slow client cannot make the bus buffer without bound (credit_window.py).
+A block not in L2 answers "not here" for that block alone. A worker that is
+gone answers at once through the server's no-responders status; a peer that
+stops sending for `timeout_s` ends the transfer, and every block not yet
+complete becomes an UNAVAILABLE miss (blocks already verified are kept).
+The client verifies every block as it completes, while later ones travel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
+from shared.log import get_logger
+from shared.transfer.credit_window import CreditWindow, TransferCancelled
+from shared.transfer.pieces import (
+    BlockAssembly,
+    decode_credit,
+    decode_request,
+    encode_credit,
+    encode_request,
+    max_hashes,
+    pack_messages,
+)
 from shared.tiers.block_format import StoredBlock, decode_or_miss
 from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
 
-_PREFIX = struct.Struct("<II")
+log = get_logger(__name__)
 
 
-def peer_subject(worker_id: str) -> str:
-    return f"kvmesh.peer.{worker_id}.block"
+def peer_fetch_subject(worker_id: str) -> str:
+    return f"kvmesh.peer.{worker_id}.fetch"
+
+
+def peer_credit_subject(worker_id: str) -> str:
+    return f"kvmesh.peer.{worker_id}.credit"
 
 
 class NatsPeerServer:
-    """Answers block requests for one worker's L2."""
+    """Streams blocks of one worker's L2 to whoever asks; runs on the worker's event loop (L2's owner).
 
-    def __init__(self, nc: NATS, tier: HostTier, worker_id: str, chunk_bytes: int = 1 << 20) -> None:
+    `chunk_bytes` caps a reply message below `nc.max_payload` (tests use it to force splits);
+    a transfer whose client sends no credit for `stall_s` is dropped.
+    """
+
+    def __init__(self, nc: NATS, tier: HostTier, worker_id: str, chunk_bytes: int | None = None,
+                 stall_s: float = 10.0, max_window_bytes: int = 64 << 20) -> None:
         self.nc = nc
         self.tier = tier
         self.worker_id = worker_id
-        self.chunk_bytes = min(chunk_bytes, nc.max_payload - _PREFIX.size - 1024)
-        self._sub = None
+        self.chunk_bytes = chunk_bytes
+        self.stall_s = stall_s
+        self.max_window_bytes = max_window_bytes
+        self._subs: list = []
+        self._windows: dict[str, CreditWindow] = {}  # reply inbox -> its transfer's flow control
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def message_bytes(self) -> int:
+        return min(self.chunk_bytes or self.nc.max_payload, self.nc.max_payload)
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(peer_subject(self.worker_id), cb=self._on_request)
+        self._subs = [await self.nc.subscribe(peer_fetch_subject(self.worker_id), cb=self._on_request),
+                      await self.nc.subscribe(peer_credit_subject(self.worker_id), cb=self._on_credit)]
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs = []
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _on_request(self, msg: Msg) -> None:
-        if not msg.reply:
+        if not msg.reply or msg.reply in self._windows:
             return
-        buf = self.tier.get_encoded(bytes(msg.data[:32])) if len(msg.data) >= 32 else None
-        if buf is None or isinstance(buf, Miss):
-            await self.nc.publish(msg.reply, _PREFIX.pack(0, 0))
+        try:
+            hashes, window = decode_request(msg.data)
+        except ValueError as exc:
+            log.warning("bad peer fetch request", error=str(exc))
             return
-        size, step = len(buf), self.chunk_bytes
-        count = max(1, -(-size // step))
-        for i in range(count):
-            await self.nc.publish(msg.reply, _PREFIX.pack(i, count) + bytes(buf[i * step:(i + 1) * step]))
+        flow = self._windows[msg.reply] = CreditWindow(min(window, self.max_window_bytes) or self.max_window_bytes)
+        task = asyncio.get_running_loop().create_task(self._stream(msg.reply, hashes, flow))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_credit(self, msg: Msg) -> None:
+        try:
+            received, cancel, reply = decode_credit(msg.data)
+        except ValueError:  # a malformed credit is dropped; the transfer stalls out if it mattered
+            return
+        flow = self._windows.get(reply)
+        if flow is not None:
+            flow.credit(received, cancel)
+
+    async def _stream(self, reply: str, hashes: list[bytes], flow: CreditWindow) -> None:
+        try:
+            for parts in pack_messages(self._blocks(hashes), self.message_bytes):
+                payload = b"".join(parts)
+                await flow.reserve(len(payload), self.stall_s)
+                await self.nc.publish(reply, payload)
+        except TimeoutError:
+            log.info("peer transfer dropped: no credit", stall_s=self.stall_s, blocks=len(hashes), sent=flow.sent)
+        except TransferCancelled:
+            pass
+        except NatsError as exc:
+            log.info("peer transfer failed", error=repr(exc))
+        finally:
+            self._windows.pop(reply, None)
+
+    def _blocks(self, hashes: list[bytes]) -> Iterator[tuple[int, memoryview | None]]:
+        """Views of the stored bytes, looked up as the stream reaches them (eviction meanwhile = not here)."""
+        for i, h in enumerate(hashes):
+            buf = self.tier.get_encoded(h)
+            yield i, None if isinstance(buf, Miss) else buf
+
+
+@dataclass(slots=True)
+class _Transfer:
+    worker_id: str
+    hashes: list[bytes]
+    assembly: BlockAssembly
+    results: list  # StoredBlock | Miss | None (not yet)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    received: int = 0  # reply bytes taken in (the credit)
+    error: str = ""  # why it ended early; "" while fine
 
 
 class NatsPeerClient:
-    """Fetches blocks from peers over one multiplexed inbox subscription."""
+    """Fetches blocks from peers over one multiplexed inbox subscription.
 
-    def __init__(self, nc: NATS, fingerprint: str, counters: MissCounters, timeout_s: float = 5.0) -> None:
+    `timeout_s` bounds the wait for each next message of a transfer (a 2 GiB chain moves, a
+    dead or stuck peer does not hold a fetch longer than this). At most `max_transfers` run at
+    once, each with `window_bytes` in flight (default two messages): together under what
+    nats-server buffers for one connection before cutting it as a slow consumer.
+    """
+
+    def __init__(self, nc: NATS, fingerprint: str, counters: MissCounters, timeout_s: float = 5.0,
+                 window_bytes: int | None = None, max_transfers: int = 3) -> None:
         self.nc = nc
         self.fingerprint = fingerprint
         self.counters = counters
         self.timeout_s = timeout_s
+        self.window_bytes = window_bytes
+        self._slots = asyncio.Semaphore(max_transfers)
         self._prefix = nc.new_inbox()
-        self._pending: dict[str, asyncio.Queue] = {}
+        self._pending: dict[str, _Transfer] = {}
         self._next = 0
         self._sub = None
 
@@ -78,41 +170,71 @@ class NatsPeerClient:
             await self._sub.unsubscribe()
             self._sub = None
 
-    async def _on_reply(self, msg: Msg) -> None:
-        queue = self._pending.get(msg.subject)
-        if queue is not None:
-            queue.put_nowait(msg.data)
-
     async def fetch(self, worker_id: str, block_hash: bytes) -> StoredBlock | Miss:
-        self._next += 1
-        inbox = f"{self._prefix}.{self._next}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[inbox] = queue
-        try:
-            await self.nc.publish(peer_subject(worker_id), block_hash, reply=inbox)
-            parts = await asyncio.wait_for(self._collect(queue), self.timeout_s)
-        except (TimeoutError, ConnectionError) as exc:
-            return self.counters.record(Miss(Tier.PEER, MissReason.UNAVAILABLE, f"{worker_id}: {exc!r}"))
-        finally:
-            del self._pending[inbox]
-        if parts is None:
-            return self.counters.record(Miss(Tier.PEER, MissReason.NOT_FOUND, worker_id))
-        buf = parts[0] if len(parts) == 1 else b"".join(parts)
-        return decode_or_miss(buf, self.fingerprint, block_hash, Tier.PEER, self.counters)
+        return (await self.fetch_many(worker_id, [block_hash]))[0]
 
-    @staticmethod
-    async def _collect(queue: asyncio.Queue) -> list[bytes] | None:
-        parts: list[bytes] = []
-        got, count = 0, 1
-        while got < count:
-            data = await queue.get()
-            if len(data) < _PREFIX.size:  # the server's "no responders" status: the peer is gone
-                raise ConnectionError("no responders")
-            index, count = _PREFIX.unpack_from(data, 0)
-            if count == 0:
-                return None
-            if not parts:
-                parts = [b""] * count
-            parts[index] = memoryview(data)[_PREFIX.size:]
-            got += 1
-        return parts
+    async def fetch_many(self, worker_id: str, hashes: Sequence[bytes]) -> list[StoredBlock | Miss]:
+        """One entry per hash, in order: the verified block or a counted miss; never raises for the peer."""
+        hashes = list(hashes)
+        step = max_hashes(self.nc.max_payload)
+        out: list[StoredBlock | Miss] = []
+        for start in range(0, len(hashes), step):  # a request must fit in one message too
+            out += await self._transfer(worker_id, hashes[start:start + step])
+        return out
+
+    async def _transfer(self, worker_id: str, hashes: list[bytes]) -> list[StoredBlock | Miss]:
+        async with self._slots:
+            self._next += 1
+            inbox = f"{self._prefix}.{self._next}"
+            t = _Transfer(worker_id, hashes, BlockAssembly(len(hashes)), [None] * len(hashes))
+            self._pending[inbox] = t
+            window = self.window_bytes or 2 * self.nc.max_payload
+            try:
+                await self.nc.publish(peer_fetch_subject(worker_id), encode_request(hashes, window), reply=inbox)
+                while not t.assembly.done and not t.error:
+                    t.progress.clear()
+                    await asyncio.wait_for(t.progress.wait(), self.timeout_s)
+            except TimeoutError:
+                t.error = f"no reply for {self.timeout_s}s"
+            except (NatsError, ConnectionError) as exc:
+                t.error = repr(exc)
+            finally:
+                del self._pending[inbox]
+            if t.error and t.error != "no responders":
+                await self._cancel(worker_id, inbox, t.received)
+        detail = f"{worker_id}: {t.error}"
+        return [r if r is not None else self.counters.record(Miss(Tier.PEER, MissReason.UNAVAILABLE, detail))
+                for r in t.results]
+
+    async def _on_reply(self, msg: Msg) -> None:
+        t = self._pending.get(msg.subject)
+        if t is None or t.error:
+            return
+        if not msg.data:  # a status message: 503, nobody serves that worker's subject (it is gone)
+            t.error = "no responders"
+            t.progress.set()
+            return
+        try:
+            completed = t.assembly.add(msg.data)
+        except ValueError as exc:
+            t.error = f"bad reply: {exc}"
+            t.progress.set()
+            return
+        t.received += len(msg.data)
+        if not t.assembly.done:
+            await self.nc.publish(peer_credit_subject(t.worker_id), encode_credit(t.received, msg.subject))
+        for i in completed:
+            t.results[i] = self._verified(t, i)
+        t.progress.set()
+
+    def _verified(self, t: _Transfer, i: int) -> StoredBlock | Miss:
+        if t.assembly.missing[i]:
+            return self.counters.record(Miss(Tier.PEER, MissReason.NOT_FOUND, t.worker_id))
+        return decode_or_miss(t.assembly.blocks[i], self.fingerprint, t.hashes[i], Tier.PEER, self.counters)
+
+    async def _cancel(self, worker_id: str, inbox: str, received: int) -> None:
+        """Tell the owner to stop streaming a transfer we gave up on (best effort)."""
+        try:
+            await self.nc.publish(peer_credit_subject(worker_id), encode_credit(received, inbox, cancel=True))
+        except (NatsError, ConnectionError):
+            pass

@@ -2,12 +2,14 @@
 
 A worker whose L2 uses `ShmArena` publishes every block as a segment named by
 worker and hash; a neighbour maps it copy-on-write (no copy, no socket) and
-verifies it like any other tier. When the segment is not there (another host,
-evicted, a heap arena) the `fallback` client (NATS, the supported network
-path) is asked.
+verifies it like any other tier. Blocks whose segment is not there (another
+host, evicted, a heap arena) or fails verification are asked of the
+`fallback` client (NATS, the supported network path) in one batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from shared.tiers.arena import attach_segment
 from shared.tiers.block_format import StoredBlock, decode_or_miss
@@ -18,14 +20,29 @@ class ShmPeerClient:
     def __init__(self, fingerprint: str, counters: MissCounters, fallback=None) -> None:
         self.fingerprint = fingerprint
         self.counters = counters
-        self.fallback = fallback  # a PeerClient, or None: same machine only
+        self.fallback = fallback  # a PeerTransport (shared/transfer/peer_transport.py), or None: same machine only
 
     async def fetch(self, worker_id: str, block_hash: bytes) -> StoredBlock | Miss:
-        buf = attach_segment(worker_id, block_hash)
-        if buf is not None:
-            got = decode_or_miss(buf, self.fingerprint, block_hash, Tier.PEER, self.counters)
-            if not isinstance(got, Miss) or self.fallback is None:
-                return got
-        if self.fallback is not None:
-            return await self.fallback.fetch(worker_id, block_hash)
-        return self.counters.record(Miss(Tier.PEER, MissReason.NOT_FOUND, f"{worker_id}: no segment"))
+        return (await self.fetch_many(worker_id, [block_hash]))[0]
+
+    async def fetch_many(self, worker_id: str, hashes: Sequence[bytes]) -> list[StoredBlock | Miss]:
+        """One entry per hash, in order: same-host segments first, the network client for the rest."""
+        out: list[StoredBlock | Miss] = []
+        rest: list[int] = []
+        for i, h in enumerate(hashes):
+            buf = attach_segment(worker_id, h)
+            got = None if buf is None else decode_or_miss(buf, self.fingerprint, h, Tier.PEER, self.counters)
+            if got is None or (isinstance(got, Miss) and self.fallback is not None):
+                rest.append(i)
+                got = Miss(Tier.PEER, MissReason.NOT_FOUND, f"{worker_id}: no segment")
+            out.append(got)
+        if not rest:
+            return out
+        if self.fallback is None:
+            for i in rest:
+                self.counters.record(out[i])
+            return out
+        fetched = await self.fallback.fetch_many(worker_id, [hashes[i] for i in rest])
+        for i, got in zip(rest, fetched):
+            out[i] = got
+        return out
