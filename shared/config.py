@@ -98,6 +98,7 @@ class WorkerSettings(BaseModel):
     probe_peers: bool = True  # prefill looks for missing prefix blocks in same-host peers' shared-memory L2
     l3_wait_s: float = 30.0  # a named cache (prefill_only) waits this long for its L3 write
     remember_finished: int = 4096  # (request, attempt) pairs kept to ack redeliveries without re-running
+    resolve_inflight: int = Field(default=3, ge=1)  # KV windows (an L3 chunk / a peer batch) fetched at once per request
 
 
 class EvictionSettings(BaseModel):
