@@ -52,6 +52,11 @@ class WorkerTiers:
     _peer_server: NatsPeerServer | None = None
     _peer_client: NatsPeerClient | None = None
 
+    @property
+    def peer_client(self) -> NatsPeerClient | None:
+        """The network peer client (NATS): reaches a worker on any host, e.g. a job's `prefix_worker`."""
+        return self._peer_client
+
     @classmethod
     async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int,
                     events: KVEventPublisher | None = None) -> WorkerTiers:
