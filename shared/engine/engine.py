@@ -5,7 +5,9 @@
 requests that got tokens or finished. Finished requests leave their full
 blocks (prompt + output) cached, so the next turn of a conversation hits.
 `export_blocks` / `import_blocks` move cached blocks out of and into the
-pool as `KVBlock`s (tiers, prefill -> decode handoff).
+pool as `KVBlock`s (tiers, prefill -> decode handoff); an import under a
+lease named like a request keeps its blocks until that request ends
+(shared/engine/leases.py).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.block_copy import SideStreamCopier
 from shared.cache_policy.base import EvictionPolicy
 from shared.cache_policy.registry import get_policy
 from shared.config import EngineSettings
 from shared.engine.batch_builder import build_forward_batch
 from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
 from shared.engine.block_pool import BlockPool
-from shared.engine.block_transfer import export_blocks, import_blocks
+from shared.engine.block_transfer import ImportResult, PendingExport, import_chain, start_export
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.kv_block import KVBlock
+from shared.engine.leases import LeaseSet
 from shared.engine.loader import LoadedModel
 from shared.engine.pins import PinSet
 from shared.engine.prefix_cache import KVEventListener, PrefixCache
@@ -56,8 +60,11 @@ class Engine:
         if policy is None:
             policy = get_policy(settings.eviction_policy)
         self.cache = PrefixCache(BlockPool(settings.num_blocks), settings.block_size, policy, listener, block_bytes=block_bytes)
-        self.scheduler = Scheduler(settings, self.cache)
+        self.leases = LeaseSet(self.cache)
+        self.scheduler = Scheduler(settings, self.cache, self.leases)
         self.pins = PinSet(self.cache)
+        # On CUDA, exports and imports run on a side stream through pinned memory (kernels/block_copy.py).
+        self._copier = SideStreamCopier(self.kv_cache.device) if self.kv_cache.is_cuda else None
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._keys: dict[tuple[bytes, str], HashKeys] = {}
@@ -88,6 +95,8 @@ class Engine:
         `generated`: output tokens already produced elsewhere (a migrated request): they count as
         output (max_tokens, stop strings, detokenization continue from them) and are not re-reported.
         `use_cache=False` computes the whole prompt cold (the cache audit).
+        A lease named `request_id` (blocks imported for it) is adopted: it ends when the request
+        finishes or is aborted. A request that raises here leaves it to `release_lease`.
         """
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -129,9 +138,13 @@ class Engine:
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now; the next `step()` reports it finished with reason "abort"."""
+        """Stop a request now; the next `step()` reports it finished with reason "abort".
+
+        A request not added (yet) has only its lease, if any, ended.
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
+            self.leases.release(request_id)
             return
         self.scheduler.remove(req)
         req.finish_reason = "abort"
@@ -244,7 +257,11 @@ class Engine:
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> list[KVBlock]:
         """The leading run of `hashes` that is cached, as KVBlocks with CPU tensors."""
-        return export_blocks(self.cache, self.kv_cache, hashes)
+        return self.start_export(hashes).wait()
+
+    def start_export(self, hashes: Sequence[BlockHash]) -> PendingExport:
+        """`export_blocks` whose host copy may still be in flight (CUDA): call `wait()` off the engine thread."""
+        return start_export(self.cache, self.kv_cache, hashes, self._copier)
 
     def drop_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Uncache those of `hashes` that are, or become once their dropped children are gone, unreferenced leaves.
@@ -262,10 +279,35 @@ class Engine:
             pending = left
         return dropped
 
-    def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "") -> int:
+    def import_blocks(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "",
+                      lease: str | None = None) -> int:
         """Insert a verified chain of blocks into pool + prefix cache; returns how many were newly inserted.
 
         Hashes are checked against this engine's keys for tenant_salt/adapter
         (see shared/engine/block_transfer.py for the rules).
         """
-        return import_blocks(self.cache, self.kv_cache, blocks, self.hash_keys(tenant_salt, adapter))
+        return self.import_chain(blocks, tenant_salt, adapter, lease).stored
+
+    def import_chain(self, blocks: Sequence[KVBlock], tenant_salt: bytes = b"", adapter: str = "",
+                     lease: str | None = None) -> ImportResult:
+        """`import_blocks`, also saying how far the chain reached (`reached` leading blocks cached now).
+
+        With `lease` (the id of the request they are for) the reached blocks, imported or already
+        cached, stay referenced until that request ends or `release_lease(lease)`.
+        """
+        imported = import_chain(self.cache, self.kv_cache, blocks, self.hash_keys(tenant_salt, adapter), self._copier)
+        if lease is None:
+            self.cache.release(imported.chain)
+        else:
+            self.leases.adopt(lease, imported.chain)
+        return ImportResult(reached=len(imported.chain), stored=imported.stored)
+
+    def lease_cached(self, lease: str, hashes: Sequence[BlockHash]) -> int:
+        """Put the leading cached run of `hashes` under `lease` (blocks a request will find in L1); how many."""
+        return self.leases.hold_cached(lease, hashes)
+
+    def release_lease(self, lease: str) -> int:
+        """End a lease whose request will not be added (failed, aborted before); no-op if there is none."""
+        if lease in self._requests:
+            return 0  # the request owns it now: it ends with the request
+        return self.leases.release(lease)

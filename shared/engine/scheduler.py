@@ -6,7 +6,10 @@ prefill), then chunks of running prefills, then newly admitted requests
 (FCFS, prefix-cache hits skip their cached tokens). When the pool has no
 block for a running request, the newest running request is preempted: its
 blocks are released (full ones stay cached, so its recompute mostly hits)
-and it goes back to the front of the queue.
+and it goes back to the front of the queue. Blocks under a lease
+(shared/engine/leases.py) are not allocatable; a lease is broken only when
+nothing runs and the next request cannot be admitted otherwise, because
+then nothing else would ever free a block. A request's own lease ends with it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.config import EngineSettings
+from shared.engine.leases import LeaseSet
 from shared.engine.prefix_cache import PrefixCache
 from shared.engine.request import Request, RequestStatus
 
@@ -27,9 +31,11 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, cache: PrefixCache) -> None:
+    def __init__(self, settings: EngineSettings, cache: PrefixCache, leases: LeaseSet | None = None) -> None:
         self.settings = settings
         self.cache = cache
+        self.leases = leases if leases is not None else LeaseSet(cache)
+        self.num_broken_leases = 0
         self.block_size = cache.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -42,13 +48,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, request: Request) -> None:
-        """Take a request out (finished or aborted) and release its blocks."""
+        """Take a request out (finished or aborted) and release its blocks and its lease."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.cache.release(request.blocks)
         request.blocks = []
+        self.leases.release(request.request_id)
         request.status = RequestStatus.FINISHED
 
     # --- one step ------------------------------------------------------
@@ -71,6 +78,8 @@ class Scheduler:
         budget = self.settings.max_num_batched_tokens - sum(planned.values())
         while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             n = self._admit(self.waiting[0], budget)
+            if n == 0 and not self.running:
+                n = self._admit_breaking_leases(self.waiting[0], budget)
             if n == 0:
                 break
             req = self.waiting.popleft()
@@ -136,6 +145,19 @@ class Scheduler:
         if req.cached_tokens is None:
             req.cached_tokens = min(hit_tokens, req.num_prompt_tokens)
         return n
+
+    def _admit_breaking_leases(self, req: Request, budget: int) -> int:
+        """Nothing runs, so nothing will free a block: end leases, newest first and req's own last,
+        until req fits. A broken lease costs its request a recompute of what gets evicted."""
+        order = [lease for lease in self.leases.newest_first() if lease != req.request_id]
+        order += [req.request_id] if req.request_id in self.leases else []
+        for lease in order:
+            self.leases.release(lease)
+            self.num_broken_leases += 1
+            n = self._admit(req, budget)
+            if n:
+                return n
+        return 0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
