@@ -14,6 +14,9 @@ shared/ingress/routing_cost.py (uncached tokens x measured rate + queue +
 fetch), among workers under a bounded-load cap (`load_bound` x the average
 load per worker, +1: consistent hashing with bounded loads), with the
 affinity home's cost lowered by `affinity_bonus_s`. Decode goes by load.
+When the chosen worker's own L1/L2 run is shorter than another live
+worker's, `prefix_holder` names that worker: the PrefillJob carries it so
+prefill fetches the rest over the network peer path (the cost credited it).
 """
 
 from __future__ import annotations
@@ -185,3 +188,15 @@ class Router:
         log.debug("prefill routed", worker=best, costs={w: round(cost(w)[0], 5) for w in views}, cap=cap,
                  matches={m.worker: m.blocks for m in reply.workers}, l3=reply.l3_blocks, blocks=total_blocks)
         return best
+
+
+    def prefix_holder(self, reply: LookupReply | None, worker: str, exclude: Iterable[str] = ()) -> str | None:
+        """The live worker (any role, not `worker`, not excluded) holding the longest leading run of the
+        request in L1/L2, if that run is longer than `worker`'s own: where prefill should fetch from."""
+        if reply is None:
+            return None
+        skip = set(exclude) | {worker}
+        own = next((m.blocks for m in reply.workers if m.worker == worker), 0)
+        holders = [m for m in reply.workers if m.worker not in skip and self.table.view(m.worker) is not None]
+        best = max(holders, key=lambda m: m.blocks, default=None)  # first of equals: the reply's order
+        return best.worker if best is not None and best.blocks > own else None

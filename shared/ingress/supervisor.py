@@ -197,18 +197,22 @@ class RequestRun:
             raise GatewayError(ErrorKind.OVERLOADED, f"no live {role} worker")
         return worker
 
-    async def _choose_prefill(self, exclude: tuple[str, ...]) -> str:
-        """Where the prompt's prefix is cheapest to extend (cache index), else by load; see router.py."""
+    async def _choose_prefill(self, exclude: tuple[str, ...]) -> tuple[str, str | None]:
+        """Where the prompt's prefix is cheapest to extend (cache index), else by load; see router.py.
+
+        Also the worker to fetch the prefix from, when another one holds more of it in L1/L2."""
         if self.gw.locator is None or self.gw.router.mode != "cost":
-            return self._choose(Role.PREFILL, exclude)
+            return self._choose(Role.PREFILL, exclude), None
         req, block_size = self.req, self.gw.locator.block_size
         reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt)
-        worker = self.gw.router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
-        return worker or self._choose(Role.PREFILL, exclude)
+        router = self.gw.router
+        worker = router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
+        worker = worker or self._choose(Role.PREFILL, exclude)
+        return worker, router.prefix_holder(reply, worker, exclude)
 
     async def _start_prefill(self, exclude: tuple[str, ...]) -> None:
         req = self.req
-        self.prefill_worker = await self._choose_prefill(exclude)
+        self.prefill_worker, prefix_worker = await self._choose_prefill(exclude)
         if not self.decode_worker or self.gw.table.gone(self.decode_worker).is_set():
             self.decode_worker = self._choose(Role.DECODE, ())
             self._hold(self.decode_worker)
@@ -216,7 +220,7 @@ class RequestRun:
         job = PrefillJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
                          tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
-                         prefill_only=req.prefill_only, deadline=self._deadline)
+                         prefill_only=req.prefill_only, deadline=self._deadline, prefix_worker=prefix_worker)
         self.usage.prefill_worker, self.usage.decode_worker = self.prefill_worker, self.decode_worker
         self._prefill_sent = time.monotonic()
         await self._publish(subjects.jobs_prefill(self.prefill_worker), job)

@@ -59,6 +59,9 @@ class CachePin(Message):
 
 
 class PrefillJob(Message):
+    # 2: `prefix_worker` (a new field is a new wire format: strict parsing rejects fields it does not know)
+    SCHEMA_VERSION = 2
+
     request_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
     session_id: str | None = None
@@ -70,6 +73,9 @@ class PrefillJob(Message):
     pins: list[CachePin] = Field(default_factory=list)
     prefill_only: bool = False  # named-cache creation: compute, store (L2 + L3), report, no decode
     deadline: float  # unix seconds; past it the job is dropped with a retriable error event
+    # Another worker whose L1/L2 holds a longer leading run of the prompt than this one (cache index,
+    # at routing): prefill fetches the missing blocks from it over the network peer path.
+    prefix_worker: str | None = None
 
 
 class DecodeJob(Message):

@@ -108,3 +108,31 @@ def test_no_weights_no_fingerprint(tmp_path: Path):
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(CheckpointError):  # the ingress then routes by load only (service._prefix_locator)
         model_fingerprint(model_dir)
+
+
+def test_prefix_holder_names_the_worker_a_spilled_prefill_fetches_from():
+    table = table_of({"p1": 0, "p2": 0})
+    router = Router.of(table, IngressSettings(load_bound=1.5))
+    reply = LookupReply(workers=[WorkerMatch(worker="p1", blocks=40, runs=[TierRun(tier=Tier.L2, blocks=40)]),
+                                 WorkerMatch(worker="p2", blocks=3, runs=[TierRun(tier=Tier.L1, blocks=3)])],
+                        l3_blocks=0, indexed_blocks=40, ready=True)
+    while (w := router.pick_prefill(40 * BLOCK, BLOCK, reply)) == "p1":  # the holder fills up ...
+        table.acquire(w)
+    assert w == "p2" and router.prefix_holder(reply, w) == "p1"  # ... the spill fetches from it
+    assert router.prefix_holder(reply, "p1") is None  # the holder itself needs no peer
+    assert router.prefix_holder(reply, "p2", exclude=("p1",)) is None  # a failed holder is not named again
+    assert router.prefix_holder(None, "p2") is None
+
+
+def test_prefix_holder_is_a_live_worker_of_any_role_with_a_longer_run():
+    table = table_of({"p1": 0})
+    router = Router.of(table, IngressSettings())
+    hb = Heartbeat(worker_id="d1", role=Role.DECODE, load=0, capacity=8, started_at=datetime.now(UTC),
+                   http_endpoint="http://127.0.0.1:1", seq=0, ttl_s=2)
+    table.apply(WorkerChange(Change.UP, "d1", hb))
+    reply = LookupReply(workers=[WorkerMatch(worker="gone", blocks=50, runs=[TierRun(tier=Tier.L1, blocks=50)]),
+                                 WorkerMatch(worker="d1", blocks=20, runs=[TierRun(tier=Tier.L2, blocks=20)]),
+                                 WorkerMatch(worker="p1", blocks=20, runs=[TierRun(tier=Tier.L1, blocks=20)])],
+                        l3_blocks=60, indexed_blocks=60, ready=True)
+    assert router.prefix_holder(reply, "p1") is None  # d1's run is no longer than p1's own; "gone" is not live
+    assert router.prefix_holder(held_by("d1", 21, Tier.L2), "p1") == "d1"
