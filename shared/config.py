@@ -55,7 +55,10 @@ class TierSettings(BaseModel):
     l2_capacity_bytes: int = 2 * 1024**3
     l3_enabled: bool = True
     l3_chunk_tokens: int = 256
-    l3_upload_queue_bytes: int = 256 * 1024**2
+    l3_upload_queue_bytes: int = 256 * 1024**2  # bytes the upload queue owns (blocks L2 could not take) + bookkeeping
+    l3_tail_delay_s: float = 5.0  # a chain's partial last chunk is written once the chain is left alone this long
+    l3_known_chunks: int = 65_536  # chunk keys a worker remembers as stored in L3 (~230 B each: ~15 MiB)
+    l3_known_max_age_s: float = 600.0  # ... trusted this long (the GC may delete objects unseen by the worker)
     l2_eviction_policy: str = "lru"  # a name in shared/cache_policy/registry.py
     l2_shared_memory: bool = True  # L2 blocks in POSIX shm segments: same-host peers map them
     l3_ttl_s: int = 7 * 24 * 3600  # written to object metadata for the eviction service

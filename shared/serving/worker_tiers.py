@@ -1,10 +1,13 @@
 """A worker's tiers below the engine: its L2, its L3 store and upload queue, its peer clients.
 
 `register` is how finished blocks leave the engine: each block L2 lacks
-goes into this worker's L2 (shared memory, so same-host peers map it) and,
-when the chain grew, the whole chain is queued for L3 (chunk keys are
-positional, so a chain always goes from its first block; chunks already
-there are skipped). The handles it returns name this worker's L2 copy; a decode
+goes into this worker's L2 (shared memory, so same-host peers map it) and
+the chain is offered to the L3 upload queue (chunk keys are positional, so a
+chain always goes from its first block). The queue skips, for free, every
+chunk this worker knows is in L3 (its own writes, its reads, and what the
+cache index reports through `note_l3_present`), so a session's next turn
+uploads only its new chunks; the rest it reads from L2 when their turn
+comes. The handles it returns name this worker's L2 copy; a decode
 worker resolves them through its `Resolver` (own L2, the owner's shared
 memory, the owner over NATS, L3).
 """
@@ -12,6 +15,7 @@ memory, the owner over NATS, L3).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from nats.aio.client import Client as NATS
@@ -23,6 +27,7 @@ from shared.log import get_logger
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.factory import build_host_tier, build_l3_store
 from shared.tiers.handle import BlockHandle
+from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import MissCounters, Tier
@@ -37,6 +42,19 @@ log = get_logger(__name__)
 def namespace_for(tenant_salt: str) -> str:
     """The L3 namespace of a tenant: derived from its salt (never from anything a client sent)."""
     return f"t-{tenant_salt[:32]}" if tenant_salt else "shared"
+
+
+class L2Source:
+    """This worker's L2 as the upload queue reads it: an upload is not an access (no policy touch)."""
+
+    def __init__(self, l2: HostTier) -> None:
+        self.l2 = l2
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.l2
+
+    def read(self, block_hash: bytes) -> memoryview | None:
+        return self.l2.arena.read(block_hash) if block_hash in self.l2 else None
 
 
 @dataclass
@@ -67,11 +85,14 @@ class WorkerTiers:
         if l3 is not None:
             on_uploaded = None
             if events is not None:
-                def on_uploaded(handles: list[BlockHandle]) -> None:
-                    events.stored([h.hash_bytes for h in handles], Tier.L3, tokens_per_block=block_size)
+                def on_uploaded(hashes: list[bytes]) -> None:
+                    events.stored(hashes, Tier.L3, tokens_per_block=block_size)
 
                 l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
-            uploads = UploadQueue(l3, settings.tiers.l3_upload_queue_bytes, on_uploaded=on_uploaded)
+            t = settings.tiers
+            l3.known = KnownChunks(t.l3_known_chunks, t.l3_known_max_age_s)
+            uploads = UploadQueue(l3, t.l3_upload_queue_bytes, source=L2Source(l2), tail_delay_s=t.l3_tail_delay_s,
+                                  on_uploaded=on_uploaded)
             uploads.start()
         server = NatsPeerServer(nc, l2, worker_id)
         await server.start()
@@ -96,16 +117,17 @@ class WorkerTiers:
         return [h for h in hashes if h not in self.l2]
 
     def register(self, hashes: list[bytes], exported: list[KVBlock], tenant_salt: str) -> tuple[list[BlockHandle], list]:
-        """Put the chain `hashes` (position 0 first) into L2 and, if it grew, queue it for L3.
+        """Put the chain `hashes` (position 0 first) into L2 and offer it to the L3 upload queue.
 
         `exported` holds the blocks L2 lacked (from the engine). Returns the handles of the leading
         run that L2 holds, and the encoded chain (for a direct L3 write). A block neither in L2 nor
-        exported ends the chain; one L2 cannot take (pinned full) ends the handles only.
+        exported ends the chain; one L2 cannot take (pinned full) ends the handles only (the queue
+        then keeps its bytes). A chain whose chunks are all known in L3 costs no encode for L3 and
+        no S3 request.
         """
         by_hash = {kb.block_hash: kb for kb in exported}
         handles: list[BlockHandle] = []
         chain: list = []
-        grew = False
         for h in hashes:
             handle = self.l2.handle(h)
             encoded = self.l2.get_encoded(h) if handle is not None else None
@@ -116,14 +138,24 @@ class WorkerTiers:
                 encoded = encode_kv_block(kb, self.l2.fingerprint)
                 put = self.l2.put_encoded(encoded)
                 handle = put.handle if put.stored else None
-                grew = True
                 self._announce(h, kb, put.stored, put.evicted)
             chain.append(encoded)
             if handle is not None and len(handles) == len(chain) - 1:
                 handles.append(handle)
-        if grew and self.uploads is not None:
-            self.uploads.submit(namespace_for(tenant_salt), chain)
+        if chain and self.uploads is not None:
+            self.uploads.submit(namespace_for(tenant_salt), hashes[:len(chain)], chain)
         return handles, chain
+
+    def note_l3_present(self, tenant_salt: str, hashes: Sequence[bytes], num_blocks: int) -> None:
+        """The cache index says the first `num_blocks` blocks of this chain are in L3: the full chunks
+        among them need no upload (a hint that ages out; see shared/tiers/known_chunks.py). A partial
+        chunk is not marked: its blocks may sit in a longer chain's chunk, under another key."""
+        if self.l3 is None:
+            return
+        ns = namespace_for(tenant_salt)
+        for positions in self.l3.chunk_ranges(min(num_blocks, len(hashes))):
+            if len(positions) == self.l3.chunk_blocks:
+                self.l3.note_known(ns, hashes[positions[-1]])
 
     def _announce(self, block_hash: bytes, kb: KVBlock, stored: bool, evicted: list[bytes]) -> None:
         if self.events is None:

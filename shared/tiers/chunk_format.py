@@ -22,22 +22,29 @@ CHUNK_VERSION = 1
 _HEAD = struct.Struct("<4sHH")
 _ENTRY = struct.Struct("<32sQQ")
 _SUM = 16
+Entry = tuple[bytes, int, int]  # block hash, offset in the object, encoded size
 
 
 def toc_size(count: int) -> int:
     return _HEAD.size + count * _ENTRY.size + _SUM
 
 
-def encode_chunk(blocks: list) -> tuple[bytes, list[tuple[bytes, int, int]]]:
-    """The object bytes and its TOC entries (block hash, offset, size); blocks are verified first."""
+def chunk_entries(blocks: list) -> list[Entry]:
+    """The TOC entries a chunk of these blocks has, each block verified first; no copy."""
     if not 0 < len(blocks) < 2**16:
         raise ValueError(f"a chunk holds 1..65535 blocks, got {len(blocks)}")
-    entries: list[tuple[bytes, int, int]] = []
+    entries: list[Entry] = []
     offset = toc_size(len(blocks))
     for buf in blocks:
         header, _, total = decode_header(buf)
         entries.append((header.block_hash, offset, total))
         offset += total
+    return entries
+
+
+def encode_chunk(blocks: list, entries: list[Entry] | None = None) -> tuple[bytes, list[Entry]]:
+    """The object bytes and its TOC entries; `entries` from `chunk_entries` of the same blocks, if known."""
+    entries = chunk_entries(blocks) if entries is None else entries
     head = bytearray(_HEAD.pack(CHUNK_MAGIC, CHUNK_VERSION, len(blocks)))
     for entry in entries:
         head += _ENTRY.pack(*entry)
@@ -45,7 +52,7 @@ def encode_chunk(blocks: list) -> tuple[bytes, list[tuple[bytes, int, int]]]:
     return b"".join([bytes(head), *(memoryview(b)[:size] for b, (_, _, size) in zip(blocks, entries))]), entries
 
 
-def decode_toc(buf) -> list[tuple[bytes, int, int]]:
+def decode_toc(buf) -> list[Entry]:
     """Entries of a chunk's TOC; `buf` needs at least the TOC bytes. Raises BlockMiss."""
     mv = memoryview(buf)
     if len(mv) < _HEAD.size or bytes(mv[:4]) != CHUNK_MAGIC:

@@ -7,8 +7,10 @@ computes the same keys from its own hashes; the final partial chunk is keyed
 by its last block. Inside, a table of contents gives each block's offset
 (chunk_format.py), so a handle (key + offset + size) is one ranged GET.
 
-Writes stat first and skip existing objects (idempotent; a racing identical
-PUT is harmless: S3 PUT is atomic per object). A read that finds an object
+Writes skip a chunk the store's `KnownChunks` set names (no encode, no
+request; fed by this store's writes and verified reads, and by its owner:
+see known_chunks.py for how it ages), else stat first and skip existing objects (idempotent; a racing identical PUT is
+harmless: S3 PUT is atomic per object). A read that finds an object
 damaged (checksum, truncation, wrong content under its key) deletes it: it
 can never be served, and since writes skip existing keys, only its removal
 lets the next writer of that chunk put a good copy back (`on_quarantined`
@@ -19,9 +21,10 @@ and writes raise `L3Unavailable` at once.
 
 from __future__ import annotations
 
+import enum
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import urllib3
@@ -29,9 +32,10 @@ from minio import Minio
 from minio.error import MinioException, S3Error
 
 from shared.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
-from shared.tiers.chunk_format import decode_toc, encode_chunk, toc_size
+from shared.tiers.chunk_format import Entry, chunk_entries, decode_toc, encode_chunk, toc_size
 from shared.tiers.circuit_breaker import CircuitBreaker
 from shared.tiers.handle import BlockHandle
+from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 _ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
@@ -48,9 +52,31 @@ class L3Unavailable(RuntimeError):
 
 @dataclass(slots=True)
 class L3Stats:
-    chunks_written: int = 0
-    chunks_skipped: int = 0  # already present: idempotent write
+    """What this store did to S3 (every writer: the upload queue, named caches, imports)."""
+
+    chunks_written: int = 0  # PUT
+    chunks_skipped: int = 0  # HEAD found the object: idempotent write
+    chunks_known: int = 0  # in the known set: no encode, no request
     chunks_quarantined: int = 0  # found damaged on a read and deleted
+    bytes_put: int = 0  # object bytes of successful PUTs (write amplification = bytes_put / unique KV bytes)
+    put_requests: int = 0  # attempts, failed ones too
+    head_requests: int = 0
+
+    @property
+    def s3_write_requests(self) -> int:
+        return self.put_requests + self.head_requests
+
+
+class WriteOutcome(enum.Enum):
+    WRITTEN = "written"  # PUT
+    EXISTING = "existing"  # HEAD found it
+    KNOWN = "known"  # in the known set: no request
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkWrite:
+    key: str
+    outcome: WriteOutcome
 
 
 @dataclass
@@ -64,6 +90,7 @@ class L3Store:
     counters: MissCounters = field(default_factory=MissCounters)
     stats: L3Stats = field(default_factory=L3Stats)
     on_quarantined: Callable[[list[bytes]], None] | None = None  # hashes of a damaged chunk this store deleted
+    known: KnownChunks | None = None  # chunks known stored: writes skip them unasked (None: always HEAD)
 
     def key(self, namespace: str, last_hash: bytes) -> str:
         return f"{self.fingerprint}/{namespace}/{last_hash.hex()}"
@@ -87,28 +114,61 @@ class L3Store:
         return handles
 
     def put_chunk(self, namespace: str, blocks: list) -> list[BlockHandle]:
-        """Write one chunk unless its object exists; raises L3Unavailable."""
-        body, entries = encode_chunk(blocks)
-        key = self.key(namespace, entries[-1][0])
-        handles = [BlockHandle(block_hash=h.hex(), tier=Tier.L3, object_key=key, offset=off, size=size,
-                               checksum=checksum_of(memoryview(blocks[i])[:size]).hex())
-                   for i, (h, off, size) in enumerate(entries)]
+        """Write one chunk unless it is known or exists; its handles. Raises L3Unavailable."""
+        entries = chunk_entries(blocks)
+        key = self.write_chunk(namespace, blocks, [h for h, _, _ in entries], entries).key
+        return [BlockHandle(block_hash=h.hex(), tier=Tier.L3, object_key=key, offset=off, size=size,
+                            checksum=checksum_of(memoryview(blocks[i])[:size]).hex())
+                for i, (h, off, size) in enumerate(entries)]
+
+    def is_known(self, namespace: str, last_hash: bytes) -> bool:
+        """This store knows (without asking S3) that the chunk ending in `last_hash` is stored."""
+        return self.known is not None and KnownChunks.chunk_id(namespace, last_hash) in self.known
+
+    def note_known(self, namespace: str, last_hash: bytes, max_age_s: float | None = None) -> None:
+        if self.known is not None:
+            self.known.add(KnownChunks.chunk_id(namespace, last_hash), max_age_s)
+
+    def write_chunk(self, namespace: str, blocks: Sequence, hashes: Sequence[bytes],
+                    entries: list[Entry] | None = None) -> ChunkWrite:
+        """Write the chunk of `hashes` from `blocks` (their encoded bytes), cheapest check first.
+
+        Known: nothing is read, encoded or requested. Else one HEAD; absent: encode (verifying every
+        block is the one `hashes` names, so no bytes ever land under another chunk's key) and PUT.
+        Raises L3Unavailable (S3 down or breaker open), ValueError (blocks not those of `hashes`).
+        """
+        key = self.key(namespace, hashes[-1])
+        if self.is_known(namespace, hashes[-1]):
+            self.stats.chunks_known += 1
+            return ChunkWrite(key, WriteOutcome.KNOWN)
         if not self.breaker.allow():
             raise L3Unavailable("L3 circuit open")
         try:
-            if self._exists(key):
-                self.stats.chunks_skipped += 1
-            else:
+            self.stats.head_requests += 1
+            life = self._life_left(key)
+            if life is None:
+                entries = chunk_entries(list(blocks)) if entries is None else entries
+                if [h for h, _, _ in entries] != list(hashes):
+                    self.breaker.record_success()  # S3 answered; the input is wrong
+                    raise ValueError(f"blocks do not match the hashes of chunk {key}")
+                body, _ = encode_chunk(list(blocks), entries)
                 meta = {"namespace": namespace, "ttl-s": str(self.ttl_s), "last-access": f"{time.time():.0f}",
                         "blocks": str(len(blocks)), "fingerprint": self.fingerprint}
+                self.stats.put_requests += 1
                 self.client.put_object(self.bucket, key, io.BytesIO(body), len(body),
                                        content_type="application/octet-stream", metadata=meta)
-                self.stats.chunks_written += 1
+                self.stats.bytes_put += len(body)
         except S3_DOWN_ERRORS as exc:
             self.breaker.record_failure()
             raise L3Unavailable(f"put {key}: {exc}") from exc
         self.breaker.record_success()
-        return handles
+        # Trusted no longer than the object's TTL: the GC deletes it then, unseen by this worker.
+        self.note_known(namespace, hashes[-1], self.ttl_s if life is None else life)
+        if life is not None:
+            self.stats.chunks_skipped += 1
+            return ChunkWrite(key, WriteOutcome.EXISTING)
+        self.stats.chunks_written += 1
+        return ChunkWrite(key, WriteOutcome.WRITTEN)
 
     # -- reads ------------------------------------------------------------
 
@@ -122,7 +182,8 @@ class L3Store:
         held = [handle.hash_bytes]  # what the ranged read knows the object holds
         if checksum_of(buf).hex() != handle.checksum:
             return self._damaged(handle.object_key, held, self._miss(MissReason.CHECKSUM, "checksum differs"))
-        return self._damaged(handle.object_key, held, self._decode(buf, handle.hash_bytes))
+        return self._read_ok(handle.object_key, self._damaged(handle.object_key, held,
+                                                              self._decode(buf, handle.hash_bytes)))
 
     def get_chunk(self, key: str) -> list[StoredBlock] | Miss:
         """Every block of one object, each verified; any bad block makes the whole chunk a miss."""
@@ -139,7 +200,7 @@ class L3Store:
             if isinstance(block, Miss):
                 return self._damaged(key, [h for h, _, _ in entries], block)
             out.append(block)
-        return out
+        return self._read_ok(key, out)
 
     def load_prefix(self, namespace: str, hashes: list[bytes]) -> list[StoredBlock]:
         """The longest prefix of `hashes` (a prompt's chain) found in L3, chunk by chunk."""
@@ -163,14 +224,18 @@ class L3Store:
 
     # -- helpers ------------------------------------------------------------
 
-    def _exists(self, key: str) -> bool:
+    def _life_left(self, key: str) -> float | None:
+        """Seconds until the GC may delete the object by its TTL (metadata as written); None if absent."""
         try:
-            self.client.stat_object(self.bucket, key)
-            return True
+            meta = self.client.stat_object(self.bucket, key).metadata or {}
         except S3Error as exc:
             if exc.code in _ABSENT:
-                return False
+                return None
             raise
+        try:
+            return float(meta["x-amz-meta-last-access"]) + float(meta["x-amz-meta-ttl-s"]) - time.time()
+        except (KeyError, ValueError):  # written by another tool: no TTL the GC would act on
+            return float("inf")
 
     def _read(self, key: str, offset: int, length: int) -> bytes | Miss:
         if not self.breaker.allow():
@@ -195,10 +260,18 @@ class L3Store:
         self.breaker.record_success()
         return data
 
+    def _read_ok(self, key: str, result):
+        """Pass `result` through; a verified read proves the object is stored: a writer may skip it."""
+        if self.known is not None and not isinstance(result, Miss):
+            self.known.add(self._chunk_id(key))
+        return result
+
     def _damaged(self, key: str, held: list[bytes], result: StoredBlock | Miss) -> StoredBlock | Miss:
         """Pass `result` through; when it says the object (holding `held`, and the block its key names)
-        is damaged, delete the object first."""
+        is damaged, forget it was known (writers must not skip it) and delete it."""
         if isinstance(result, Miss) and result.reason in DAMAGED:
+            if self.known is not None:
+                self.known.discard(self._chunk_id(key))
             try:
                 self.client.remove_object(self.bucket, key)
             except S3_DOWN_ERRORS:
@@ -207,6 +280,11 @@ class L3Store:
             if self.on_quarantined is not None:
                 self.on_quarantined(list(dict.fromkeys([*held, bytes.fromhex(key.rsplit("/", 1)[-1])])))
         return result
+
+    @staticmethod
+    def _chunk_id(key: str) -> bytes:
+        _, namespace, last_hex = key.rsplit("/", 2)
+        return KnownChunks.chunk_id(namespace, bytes.fromhex(last_hex))
 
     def _decode(self, buf, block_hash: bytes) -> StoredBlock | Miss:
         # No fingerprint (the eviction service's store, which serves no model): any model's blocks verify.

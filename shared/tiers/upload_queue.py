@@ -1,68 +1,153 @@
-"""Asynchronous L3 writes with bounded memory, retries and backoff.
+"""Asynchronous L3 writes, chunk by chunk, in bounded memory, never blocking the producer.
 
-The producer is a worker's step loop: `submit` never waits. When the queued
-bytes would pass `max_bytes` the chain is dropped and counted (`dropped`):
-stalling serving for object storage would turn an L3 outage into a serving
-outage, while a dropped upload only costs a recompute later. Queued chains are
-retried with capped exponential backoff until they land, so an S3 restart
-loses nothing that was queued; while the circuit is open each retry fails
-fast, and the first retry after the breaker's reset time is its probe.
+The producer is a worker's step loop: `submit` never waits. It cuts a chain
+into its chunks at once. A chunk the store knows is stored costs nothing more
+(`chunks_known`: no encode, no request), so turn N+1 of a session queues only
+its new chunks. Any other chunk is queued as a reference: its block hashes,
+plus the bytes of only those blocks the `source` (this worker's L2) does not
+hold. Only those owned bytes and a small per-chunk overhead count against
+`max_bytes`; a chunk that does not fit is dropped and counted, and so is the
+rest of its chain. A chain of any length whose blocks L2 holds always fits.
+
+At its turn a chunk's blocks are read from the source on the event-loop
+thread (the source's owner runs there too) as views that stay valid whatever
+L2 does next: a heap buffer lives while referenced, a shared-memory block is
+a private mapping that outlives its segment's unlink (segments are never
+truncated in place). One chunk body is then encoded and PUT in a thread, so
+the bytes in flight are one chunk. The store checks every block against the
+hash it is queued under, so no bytes can land under another chunk's key.
+A chunk whose blocks left L2 before its turn is lost (`chunks_lost`), and so
+are the later chunks of its chain: readers walk chunks from position 0 and
+never reach past a gap (the next registration of the chain exports the
+blocks again and fills it).
+
+Partial tails: a chain's last, partial chunk is keyed by its own last block,
+so a growing session would write a new tail object every turn. A tail waits
+`tail_delay_s` instead; a later submission that extends the same chain
+replaces it (`chunks_coalesced`), so only the tail of a chain left alone for
+that long is written. `join` (drain: tests, shutdown) sends every tail at once.
+
+Failed writes are retried with capped exponential backoff until they land, so
+an S3 restart loses nothing queued (whose blocks L2 still holds or the queue
+owns); while the circuit is open each retry fails fast, and the first retry
+after the breaker's reset time is its probe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from shared.tiers.handle import BlockHandle
-from shared.tiers.l3_store import L3Store, L3Unavailable
+from shared.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
+
+_CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
+
+
+class BlockSource(Protocol):
+    """Where queued chunks read the blocks they do not own (a worker's L2); an upload is no access."""
+
+    def __contains__(self, block_hash: bytes) -> bool: ...
+    def read(self, block_hash: bytes) -> memoryview | None: ...
 
 
 @dataclass(slots=True)
 class UploadStats:
-    submitted: int = 0
-    uploaded: int = 0
-    dropped: int = 0
+    """Chunk counts; submitted = known + coalesced + written + existing + lost + dropped + failed + pending."""
+
+    chains_submitted: int = 0
+    chunks_submitted: int = 0  # every chunk of every submitted chain
+    chunks_known: int = 0  # known stored: no encode, no S3 request (at submit, or by its turn)
+    chunks_coalesced: int = 0  # already queued, or a waiting tail replaced by a longer submission
+    chunks_written: int = 0  # PUT
+    chunks_existing: int = 0  # HEAD found it
+    chunks_lost: int = 0  # its blocks left L2 before its turn, or an earlier chunk of its chain did not land
+    chunks_dropped: int = 0  # the byte budget could not hold it, or an earlier chunk of its chain
     dropped_bytes: int = 0
+    chunks_failed: int = 0  # bytes not those of its hashes (a bug, bad input): never retried
     retries: int = 0
-    failed: int = 0  # rejected for a reason retrying cannot fix (a bug, bad input): dropped
 
 
-@dataclass(slots=True)
-class _Item:
+class _State(enum.Enum):
+    QUEUED = "queued"
+    LANDED = "landed"  # written, found, or known
+    GAP = "gap"  # did not land: later chunks of the chain are unreachable
+    LOST = "lost"  # not queued: its bytes are gone
+    DROPPED = "dropped"  # not queued: no room
+    REPLACED = "replaced"  # a waiting tail a longer submission covers
+
+
+@dataclass(slots=True, eq=False)
+class _Chunk:
     namespace: str
-    chain: list
-    nbytes: int
+    hashes: tuple[bytes, ...]
+    owned: list  # per block: bytes the queue holds, or None (read from the source at its turn)
+    cost: int  # counted against max_bytes until done
+    after: _Chunk | None  # the chain's previous chunk, when it was queued too
+    due: float  # monotonic time it may go (a tail: after the delay)
+    state: _State = _State.QUEUED
 
 
 @dataclass
 class UploadQueue:
     store: L3Store
     max_bytes: int
+    source: BlockSource | None = None
+    tail_delay_s: float = 5.0
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 1.0
     stats: UploadStats = field(default_factory=UploadStats)
     queued_bytes: int = field(default=0, init=False)
-    on_uploaded: Callable[[list[BlockHandle]], None] | None = None  # e.g. publish L3 presence to the index
-    _items: deque = field(default_factory=deque, init=False, repr=False)
+    on_uploaded: Callable[[list[bytes]], None] | None = None  # hashes of a chunk written or found (not known)
+    _ready: deque[_Chunk] = field(default_factory=deque, init=False, repr=False)
+    _waiting: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # tails, due order
+    _queued: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # not started
+    _tails: dict[tuple[str, bytes], list[_Chunk]] = field(default_factory=dict, init=False, repr=False)  # by 1st hash
+    _pending: int = field(default=0, init=False, repr=False)
+    _draining: int = field(default=0, init=False, repr=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _task: asyncio.Task | None = field(default=None, init=False, repr=False)
 
-    def submit(self, namespace: str, chain: list) -> bool:
-        """Queue a chain of encoded blocks (position 0 first); False = dropped, queue full."""
-        nbytes = sum(memoryview(b).nbytes for b in chain)
-        self.stats.submitted += 1
-        if self.queued_bytes + nbytes > self.max_bytes:
-            self.stats.dropped += 1
-            self.stats.dropped_bytes += nbytes
-            return False
-        self._items.append(_Item(namespace, chain, nbytes))
-        self.queued_bytes += nbytes
-        self._idle.clear()
-        self._wake.set()
+    @property
+    def pending_chunks(self) -> int:
+        """Chunks queued or in flight."""
+        return self._pending
+
+    def submit(self, namespace: str, hashes: Sequence[bytes], blocks: Sequence | None = None) -> bool:
+        """Queue the chunks of a chain (`hashes`, position 0 first) that are not known stored.
+
+        `blocks[i]`, when given, is the encoded block `hashes[i]` as the caller holds it now; the
+        queue keeps it only if the source lacks that block. False when some chunk was dropped or lost.
+        """
+        ranges = self.store.chunk_ranges(len(hashes))
+        self.stats.chains_submitted += 1
+        self.stats.chunks_submitted += len(ranges)
+        now = time.monotonic()
+        after: _Chunk | None = None
+        for n, positions in enumerate(ranges):
+            first, last = hashes[positions[0]], hashes[positions[-1]]
+            if self.store.is_known(namespace, last):
+                self.stats.chunks_known += 1
+                after = None
+            elif (queued := self._queued.get((namespace, last))) is not None:
+                self.stats.chunks_coalesced += 1
+                after = queued
+            else:
+                held = self._hold(namespace, hashes, positions, blocks, after, now)
+                if not isinstance(held, _Chunk):  # this chunk and the rest of the chain: never reachable now
+                    rest = len(ranges) - n
+                    if held is _State.LOST:
+                        self.stats.chunks_lost += rest
+                    else:
+                        self.stats.chunks_dropped += rest
+                    return False
+                after = held
+            self._replace_tails(namespace, first, hashes, positions)
         return True
 
     def start(self) -> None:
@@ -70,16 +155,21 @@ class UploadQueue:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="l3-upload")
 
     async def join(self, timeout_s: float) -> bool:
-        """Wait until everything queued has landed; False on timeout."""
-        if not self._items:
+        """Wait until everything submitted has landed (tails are sent at once); False on timeout."""
+        if not self._pending:
             return True
+        self._draining += 1
+        self._wake.set()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
         except TimeoutError:
             return False
+        finally:
+            self._draining -= 1
 
     async def close(self) -> None:
+        """Stop now; what is still queued is abandoned (`join` first to drain)."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -88,33 +178,140 @@ class UploadQueue:
                 pass
             self._task = None
 
+    # -- queueing ----------------------------------------------------------
+
+    def _hold(self, namespace: str, hashes: Sequence[bytes], positions: range, blocks: Sequence | None,
+              after: _Chunk | None, now: float) -> _Chunk | _State:
+        """Queue one chunk, or say why not: LOST (its bytes are neither in the source nor given) or
+        DROPPED (they do not fit in max_bytes)."""
+        owned: list = []
+        cost = _CHUNK_OVERHEAD + 32 * len(positions)
+        for i in positions:
+            buf = None
+            if self.source is None or hashes[i] not in self.source:
+                buf = blocks[i] if blocks is not None else None
+                if buf is None:
+                    return _State.LOST
+                cost += memoryview(buf).nbytes
+            owned.append(buf)
+        if self.queued_bytes + cost > self.max_bytes:
+            self.stats.dropped_bytes += cost
+            return _State.DROPPED
+        tail = len(positions) < self.store.chunk_blocks
+        chunk = _Chunk(namespace, tuple(hashes[i] for i in positions), owned, cost, after,
+                       now + (self.tail_delay_s if tail else 0.0))
+        key = (namespace, chunk.hashes[-1])
+        self._queued[key] = chunk
+        if tail:
+            self._waiting[key] = chunk
+            self._tails.setdefault((namespace, chunk.hashes[0]), []).append(chunk)
+        else:
+            self._ready.append(chunk)
+        self.queued_bytes += cost
+        self._pending += 1
+        self._idle.clear()
+        self._wake.set()
+        return chunk
+
+    def _replace_tails(self, namespace: str, first: bytes, hashes: Sequence[bytes], positions: range) -> None:
+        """Drop the not yet started tails this chunk extends (hashes are chained: equal last hash = prefix)."""
+        tails = self._tails.get((namespace, first))
+        if not tails:
+            return
+        for tail in [t for t in tails if len(t.hashes) < len(positions)
+                     and hashes[positions[0] + len(t.hashes) - 1] == t.hashes[-1]]:
+            self._unqueue(tail)
+            tail.state = _State.REPLACED
+            self.stats.chunks_coalesced += 1
+            self._done(tail)
+
+    def _unqueue(self, chunk: _Chunk) -> None:
+        """No longer waiting nor open to coalescing (started, or replaced)."""
+        key = (chunk.namespace, chunk.hashes[-1])
+        if self._queued.get(key) is chunk:
+            del self._queued[key]
+        if self._waiting.get(key) is chunk:
+            del self._waiting[key]
+        tails = self._tails.get((chunk.namespace, chunk.hashes[0]))
+        if tails and chunk in tails:
+            tails.remove(chunk)
+            if not tails:
+                del self._tails[(chunk.namespace, chunk.hashes[0])]
+
+    def _done(self, chunk: _Chunk) -> None:
+        chunk.owned = []
+        self.queued_bytes -= chunk.cost
+        self._pending -= 1
+        if not self._pending:
+            self._idle.set()
+
+    # -- uploading ---------------------------------------------------------
+
+    def _next(self) -> _Chunk | None:
+        """The next chunk to send: full chunks in order, then tails that are due (all when draining)."""
+        now = time.monotonic()
+        # Every tail waits the same delay, so `_waiting` (insertion order) is in due order.
+        while self._waiting:
+            tail = next(iter(self._waiting.values()))
+            if tail.due > now and not self._draining:
+                break
+            del self._waiting[(tail.namespace, tail.hashes[-1])]
+            self._ready.append(tail)
+        while self._ready:
+            chunk = self._ready.popleft()
+            if chunk.state is _State.QUEUED:
+                self._unqueue(chunk)
+                return chunk
+        return None
+
     async def _run(self) -> None:
         while True:
-            if not self._items:
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
+            chunk = self._next()
+            if chunk is not None:
+                await self._upload(chunk)
+                self._done(chunk)
                 continue
-            item = self._items[0]
-            handles = await self._upload(item)
-            self._items.popleft()
-            self.queued_bytes -= item.nbytes
-            if handles is None:
-                continue
-            self.stats.uploaded += 1
-            if self.on_uploaded is not None:
-                self.on_uploaded(handles)
+            self._wake.clear()
+            due = next(iter(self._waiting.values())).due if self._waiting else None
+            try:
+                await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - time.monotonic()))
+            except TimeoutError:
+                pass
 
-    async def _upload(self, item: _Item) -> list[BlockHandle] | None:
-        """Retry until S3 takes the chain; None if the chain itself is bad (counted as failed)."""
+    async def _upload(self, chunk: _Chunk) -> None:
+        """Land one chunk, retrying while S3 is unavailable; set its state."""
+        chunk.state = _State.GAP
+        if chunk.after is not None and chunk.after.state is _State.GAP:
+            self.stats.chunks_lost += 1
+            return
+        if self.store.is_known(chunk.namespace, chunk.hashes[-1]):
+            chunk.state = _State.LANDED
+            self.stats.chunks_known += 1
+            return
+        blocks = [own if own is not None else self.source.read(h) if self.source is not None else None
+                  for h, own in zip(chunk.hashes, chunk.owned)]
+        if any(b is None for b in blocks):
+            self.stats.chunks_lost += 1
+            return
         backoff = self.backoff_initial_s
         while True:
             try:
-                return await asyncio.to_thread(self.store.put_chain, item.namespace, item.chain)
+                result = await asyncio.to_thread(self.store.write_chunk, chunk.namespace, blocks, chunk.hashes)
+                break
             except L3Unavailable:
                 self.stats.retries += 1
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
-            except Exception:  # noqa: BLE001 - one bad chain must not stop the uploader
-                self.stats.failed += 1
-                return None
+            except Exception:  # noqa: BLE001 - one bad chunk must not stop the uploader
+                self.stats.chunks_failed += 1
+                return
+        chunk.state = _State.LANDED
+        if result.outcome is WriteOutcome.KNOWN:
+            self.stats.chunks_known += 1
+            return
+        if result.outcome is WriteOutcome.WRITTEN:
+            self.stats.chunks_written += 1
+        else:
+            self.stats.chunks_existing += 1
+        if self.on_uploaded is not None:
+            self.on_uploaded(list(chunk.hashes))

@@ -48,29 +48,36 @@ async def _until(cond, deadline_s: float) -> bool:
     return cond()
 
 
-async def test_upload_queue_drops_with_count_when_full(s3_server, make_chain, fp) -> None:
+async def test_upload_queue_budget_drops_only_what_it_cannot_hold(s3_server, make_chain, fp) -> None:
+    """Without an L2 to read from, the queue owns every byte: the chunks past its budget are dropped and
+    counted, never the chain's prefix, and never by blocking the caller."""
     client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     store = L3Store(client, "kvmesh-queue-full", fp, chunk_blocks=4)
-    chain = [encode_kv_block(b, fp) for b in make_chain(4)]
-    queue = UploadQueue(store, max_bytes=sum(len(b) for b in chain) + 10)
-    assert queue.submit("ns", chain)
-    assert not queue.submit("ns", chain)  # full: dropped and counted, never blocks the caller
-    assert (queue.stats.dropped, queue.queued_bytes) == (1, sum(len(b) for b in chain))
+    blocks = make_chain(8)
+    chain = [encode_kv_block(b, fp) for b in blocks]
+    hashes = [b.block_hash for b in blocks]
+    queue = UploadQueue(store, max_bytes=sum(len(b) for b in chain[:4]) + 1024)
+    assert not queue.submit("ns", hashes, chain)  # the first chunk fits, the second does not
+    assert (queue.stats.chunks_dropped, queue.pending_chunks) == (1, 1)
+    assert 0 < queue.queued_bytes <= queue.max_bytes
+    assert not queue.submit("ns", hashes, chain)  # the first is already queued: coalesced, not held twice
+    assert (queue.stats.chunks_coalesced, queue.stats.chunks_dropped, queue.pending_chunks) == (1, 2, 1)
 
 
-async def test_upload_queue_skips_a_bad_chain_and_keeps_going(s3_server, make_chain, fp) -> None:
+async def test_upload_queue_skips_a_bad_chunk_and_keeps_going(s3_server, make_chain, fp) -> None:
     client = fast_fail_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     store = L3Store(client, "kvmesh-queue-bad", fp, chunk_blocks=4)
     store.ensure_bucket()
     queue = UploadQueue(store, max_bytes=1 << 30)
-    assert queue.submit("ns", [b"not a block"])
-    assert queue.submit("ns", [encode_kv_block(b, fp) for b in make_chain(4)])
+    blocks = make_chain(4)
+    assert queue.submit("ns", [b"\x01" * 32], [b"not a block"])
+    assert queue.submit("ns", [b.block_hash for b in blocks], [encode_kv_block(b, fp) for b in blocks])
     queue.start()
     try:
         assert await queue.join(timeout_s=30)
     finally:
         await queue.close()
-    assert (queue.stats.failed, queue.stats.uploaded, queue.queued_bytes) == (1, 1, 0)
+    assert (queue.stats.chunks_failed, queue.stats.chunks_written, queue.queued_bytes) == (1, 1, 0)
 
 
 async def test_s3_stop_mid_upload_opens_breaker_and_uploads_resume(fresh_s3_server, make_chain, fp) -> None:
@@ -80,21 +87,25 @@ async def test_s3_stop_mid_upload_opens_breaker_and_uploads_resume(fresh_s3_serv
     store = L3Store(client, "kvmesh-outage", fp, chunk_blocks=4, breaker=breaker)
     store.ensure_bucket()
     chains = [make_chain(4, seed=s) for s in range(24)]
-    landed: list = []
+    landed: list[bytes] = []
     queue = UploadQueue(store, max_bytes=1 << 30, backoff_initial_s=0.05, backoff_max_s=0.3,
                         on_uploaded=landed.extend)
+
+    def submit(chain) -> bool:
+        return queue.submit("ns", [b.block_hash for b in chain], [encode_kv_block(b, fp) for b in chain])
+
     for chain in chains[:16]:
-        queue.submit("ns", [encode_kv_block(b, fp) for b in chain])
+        submit(chain)
     queue.start()
     try:
-        assert await _until(lambda: queue.stats.uploaded >= 2, 30)
+        assert await _until(lambda: queue.stats.chunks_written >= 2, 30)
         await asyncio.to_thread(server.stop)  # mid-upload: the queue may still hold chains
         for chain in chains[16:]:  # submitting during the outage neither blocks nor crashes
-            assert queue.submit("ns", [encode_kv_block(b, fp) for b in chain])
+            assert submit(chain)
         assert await _until(lambda: breaker.opens >= 1, 30)
         assert queue.queued_bytes > 0  # nothing is lost while S3 is down: the chains wait
         t0 = time.monotonic()
-        miss = store.get_block(landed[0])
+        miss = store.get_chunk(store.key("ns", landed[3]))
         assert isinstance(miss, Miss) and miss.reason in (MissReason.TIER_DOWN, MissReason.UNAVAILABLE)
         assert time.monotonic() - t0 < 1.0  # fails fast: the caller recomputes
         await asyncio.to_thread(server.start)  # same port, same data dir
@@ -102,7 +113,7 @@ async def test_s3_stop_mid_upload_opens_breaker_and_uploads_resume(fresh_s3_serv
         assert breaker.state is BreakerState.CLOSED
     finally:
         await queue.close()
-    assert queue.stats.uploaded == 24 and queue.stats.retries > 0
+    assert queue.stats.chunks_written == 24 and queue.stats.retries > 0 and queue.stats.chunks_lost == 0
     objects = list(client.list_objects(store.bucket, prefix=f"{fp}/ns/", recursive=True))
     assert len(objects) == 24
     for obj in objects:  # nothing partial reads as valid: every object verifies completely
