@@ -239,7 +239,7 @@ class UploadQueue:
                 del self._tails[(chunk.namespace, chunk.hashes[0])]
 
     def _done(self, chunk: _Chunk) -> None:
-        chunk.owned = []
+        chunk.owned, chunk.after = [], None  # frees its bytes, and the chain of done chunks behind it
         self.queued_bytes -= chunk.cost
         self._pending -= 1
         if not self._pending:
@@ -272,9 +272,10 @@ class UploadQueue:
                 self._done(chunk)
                 continue
             self._wake.clear()
-            due = next(iter(self._waiting.values())).due if self._waiting else None
+            first_due = next(iter(self._waiting.values())).due if self._waiting else None
             try:
-                await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - time.monotonic()))
+                await asyncio.wait_for(self._wake.wait(),
+                                       None if first_due is None else max(0.0, first_due - time.monotonic()))
             except TimeoutError:
                 pass
 
