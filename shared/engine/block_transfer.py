@@ -37,7 +37,8 @@ class PendingExport:
         if self.copy is None:
             return []
         data = self.copy.wait()
-        return [KVBlock(block_hash=h, parent_hash=p, token_ids=t, data=data[i]) for i, (h, p, t) in enumerate(self.meta)]
+        return [KVBlock(block_hash=h, parent_hash=p, token_ids=t, data=data[i])
+                for i, (h, p, t) in enumerate(self.meta)]
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,9 +4,11 @@ For each `DecodeJob` (a prefill handoff, or the ingress migrating a request
 here with every token delivered so far in `generated`), idempotent on
 request_id + attempt:
 1. the leading handles already in its engine (L1: e.g. last turn's blocks)
-   are used as they are; the rest are resolved with the `Resolver` (own L2,
-   the owner's shared memory, the owner over NATS, L3) up to the first that
-   cannot be, then L3 by chunk keys, and imported; everything after that is
+   are used as they are; the rest are fetched window by window
+   (shared/serving/kv_fetch.py: own L2, the owner's shared memory or NATS in
+   one batch per owner, L3 by the handle's object or by chunk key) and
+   imported as they arrive, under a lease so they stay until the request
+   runs, up to the first block that cannot be had; everything after that is
    recomputed (same tokens);
 2. the request continues from prompt + generated (TokenEvent seq =
    len(generated) + i; text and stop strings continue from `generated`);
@@ -29,15 +31,15 @@ from nats.aio.msg import Msg
 from shared.bus.consumer import PermanentError
 from shared.bus.publish import Publisher
 from shared.config import WorkerSettings
-from shared.engine.kv_block import KVBlock
 from shared.log import get_logger
 from shared.protocol.serving import DecodeJob
 from shared.serving.audit import AuditCase, CacheAudit
 from shared.serving.engine_loop import RequestSpec
+from shared.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, PeerSource, cached_run, fetch_chain
 from shared.serving.ledger import JobLedger, run_once
-from shared.serving.prefix_reach import l3_run
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import TokenStream
+from shared.serving.worker_tiers import namespace_for
 from shared.tiers.miss import Tier
 
 log = get_logger(__name__)
@@ -77,29 +79,32 @@ class DecodeWorker:
         if time.time() >= job.deadline:
             await stream.finish("error", error="deadline passed before decode started")
             return
-        blocks, sources = await self._resolve(job, salt)
-        if self.ledger.aborted(job.request_id):
-            stream.cancel()
-            return
         engine_id = f"{job.request_id}:{job.attempt}:decode"
-        older = self._engine_ids.pop(job.request_id, None)
-        if older is not None:
-            engine.abort(older)  # superseded by this attempt
-        self._engine_ids[job.request_id] = engine_id
-        spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(), salt, generated=job.generated,
-                           blocks=blocks)
         try:
-            out = await asyncio.wait_for(engine.run_request(spec, lambda o: stream.add(o.new_token_ids, o.text_delta)),
-                                         job.deadline - time.time())
-        except ValueError as exc:
-            await stream.finish("error", error=str(exc), retriable=False)
-            return
-        except TimeoutError:
-            await stream.finish("error", error="deadline passed during decode")
-            return
+            sources = await self._resolve(job, salt, engine_id)
+            if self.ledger.aborted(job.request_id):
+                stream.cancel()
+                return
+            older = self._engine_ids.pop(job.request_id, None)
+            if older is not None:
+                engine.abort(older)  # superseded by this attempt
+            self._engine_ids[job.request_id] = engine_id
+            spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(), salt, generated=job.generated)
+            try:
+                out = await asyncio.wait_for(
+                    engine.run_request(spec, lambda o: stream.add(o.new_token_ids, o.text_delta)),
+                    job.deadline - time.time())
+            except ValueError as exc:
+                await stream.finish("error", error=str(exc), retriable=False)
+                return
+            except TimeoutError:
+                await stream.finish("error", error="deadline passed during decode")
+                return
+            finally:
+                if self._engine_ids.get(job.request_id) == engine_id:
+                    del self._engine_ids[job.request_id]
         finally:
-            if self._engine_ids.get(job.request_id) == engine_id:
-                del self._engine_ids[job.request_id]
+            engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
         if out.finish_reason == "abort":  # a newer attempt took over here, or the client went away
             stream.cancel()
             return
@@ -117,7 +122,10 @@ class DecodeWorker:
         tiers = self.rt.tiers
         hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
         missing = tiers.missing(hashes)
-        exported = await self.rt.engine.call(lambda e: e.export_blocks(missing)) if missing else []
+        exported = []
+        if missing:  # the copy to the host may finish off the engine thread (CUDA side stream)
+            pending = await self.rt.engine.call(lambda e: e.start_export(missing))
+            exported = await asyncio.to_thread(pending.wait)
         handles, _ = tiers.register(hashes, exported, tenant_salt)
         return len(handles)
 
@@ -128,30 +136,29 @@ class DecodeWorker:
         if engine_id is not None:
             self.rt.engine.abort(engine_id)
 
-    async def _resolve(self, job: DecodeJob, salt: bytes) -> tuple[list[KVBlock], Counter]:
-        """Blocks for the handles after those already in the engine, up to the first unresolvable one.
+    async def _resolve(self, job: DecodeJob, salt: bytes, lease: str) -> Counter:
+        """Import the handles' blocks after those already in the engine, up to the first that cannot be had.
 
-        From there L3 is asked by chunk keys (the prefill's upload may have landed even when its
-        handles only name its L2); whatever is still missing is recomputed.
+        Each handle's owner is asked for its run in one batch; L3 by the handle's object, else by
+        chunk key (the prefill's upload may have landed even when its handles only name its L2).
+        Returns the blocks per tier (L1 included); whatever is missing is recomputed.
         """
-        prompt, n = job.prompt_ids, len(job.handles)
+        tiers = self.rt.tiers
+        handles = job.handles
+        hashes, l1 = await cached_run(self.rt.engine, job.prompt_ids, salt, len(handles), lease)
 
-        def look(e) -> tuple[list[bytes], int]:
-            hashes = e.block_hashes(prompt, salt)[:n]
-            return hashes, len(e.cache.lookup(hashes, prompt))
+        def owner(p: int) -> tuple[str, ...]:
+            w = handles[p].worker_id
+            return (w,) if w and w != self.worker_id else ()
 
-        hashes, l1 = await self.rt.engine.call(look)
-        sources: Counter = Counter({Tier.L1: l1})
-        blocks: list[KVBlock] = []
-        for handle in job.handles[l1:]:
-            res = await self.rt.tiers.resolver.resolve(handle)
-            if res.block is None:
-                break
-            blocks.append(res.block)
-            sources[res.tier] += 1
-        start = l1 + len(blocks)
-        if start < n and self.rt.tiers.l3 is not None:
-            more = await asyncio.to_thread(l3_run, self.rt.tiers, job.tenant_salt, hashes, start)
-            blocks += more
-            sources[Tier.L3] += len(more)
-        return blocks, sources
+        sources = [L2Source(tiers.l2)]
+        if tiers.resolver.peers is not None:
+            sources.append(PeerSource(tiers.resolver.peers, owner))
+        if tiers.l3 is not None:
+            sources.append(L3Source(tiers.l3, namespace_for(job.tenant_salt), search_partial=True,
+                                    object_key=lambda p: handles[p].object_key))
+        window = tiers.l3.chunk_blocks if tiers.l3 is not None else DEFAULT_WINDOW_BLOCKS
+        fetched = await fetch_chain(self.rt.engine, hashes, l1, min(len(handles), len(hashes)), sources,
+                                    tenant_salt=salt, lease=lease, window_blocks=window,
+                                    inflight=self.settings.resolve_inflight)
+        return Counter({Tier.L1: l1}) + fetched.sources

@@ -6,7 +6,10 @@ queue (`call`, `run_request`), and every result or output comes back on the
 event loop through `call_soon_threadsafe`. No torch call ever runs on the
 event loop.
 
-Background requests (the cache audit) wait until the engine has nothing
+Blocks fetched for a request are imported through `call` as they arrive,
+under a lease named by its request id (shared/serving/kv_fetch.py), so they
+stay in the pool until it runs; `release_lease` ends one whose request is
+never added. Background requests (the cache audit) wait until the engine has nothing
 else to do; once admitted they share steps with live requests like any
 other (continuous batching), so a live request waits at most one step.
 """
@@ -42,7 +45,7 @@ class RequestSpec:
     params: SamplingParams
     tenant_salt: bytes = b""
     generated: Sequence[int] = ()
-    blocks: Sequence[KVBlock] = ()  # a verified chain to put into the pool right before admission
+    blocks: Sequence[KVBlock] = ()  # a chain to put into the pool right before admission (under the request's lease)
     use_cache: bool = True
 
 
@@ -106,6 +109,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("call", lambda e: e.abort(request_id), None))
 
+    def release_lease(self, lease: str) -> None:
+        """End the lease of a request that will not be added (no-op once it was: it ends with the request)."""
+        self._commands.put(("call", lambda e: e.release_lease(lease), None))
+
     # --- engine thread ----------------------------------------------------
 
     def _future(self) -> asyncio.Future:
@@ -161,10 +168,11 @@ class EngineLoop:
         _, spec, running = cmd
         try:
             if spec.blocks:
-                self.engine.import_blocks(spec.blocks, spec.tenant_salt)
+                self.engine.import_blocks(spec.blocks, spec.tenant_salt, lease=spec.request_id)
             self.engine.add_request(spec.request_id, spec.prompt_ids, spec.params, spec.tenant_salt,
                                     generated=spec.generated, use_cache=spec.use_cache)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            self.engine.release_lease(spec.request_id)
             self._settle(running.done, exc=exc)
             return
         self._running[spec.request_id] = running

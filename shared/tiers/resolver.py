@@ -3,12 +3,15 @@
 Order on any worker: its own L1 (the engine's pool), its own L2, the owning
 peer's L2 (when the handle names another worker), then L3 (when the handle
 names an object). Every tier that was tried and missed is reported with its
-reason; an unresolved handle means "recompute", never an error.
+reason; an unresolved handle means "recompute", never an error. This is the
+one-handle path; workers restore whole chains in windows
+(shared/serving/kv_fetch.py), through the same tiers and `PeerClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +29,10 @@ class L1Source(Protocol):
 
 class PeerClient(Protocol):
     async def fetch(self, worker_id: str, block_hash: bytes) -> StoredBlock | Miss: ...
+
+    async def fetch_many(self, worker_id: str, hashes: Sequence[bytes]) -> list[StoredBlock | Miss]:
+        """One entry per hash, in order (a batch in few big messages); misses are counted, never raised."""
+        ...
 
 
 class EngineL1:

@@ -67,7 +67,8 @@ def test_leased_import_survives_pressure_and_its_request_hits(loaded, exported):
     # Another import needing more blocks than are free takes what fits, never a leased block.
     other = _engine(loaded, 64)
     _run(other, "o", list(range(600, 600 + 10 * BS + 1)))
-    assert engine.import_blocks(other.export_blocks(other.block_hashes(list(range(600, 600 + 10 * BS))))) == POOL - CHUNKS
+    other_chain = other.export_blocks(other.block_hashes(list(range(600, 600 + 10 * BS))))
+    assert engine.import_blocks(other_chain) == POOL - CHUNKS
     assert engine.cached_prefix_tokens(PROMPT) == CHUNKS * BS
 
     out = _run(engine, "req", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False))
