@@ -97,3 +97,22 @@ def index(
 
     result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups, chain=chain))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def datapath(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    geometry: Annotated[str, typer.Option(help="KV geometry: 8b (Llama-3-8B) or 70b (Llama-3-70B).")] = "8b",
+    context: Annotated[int, typer.Option(help="Session context in tokens.")] = 16384,
+    turns: Annotated[int, typer.Option(help="Turns of the growing session (L3 write amplification).")] = 30,
+    repeats: Annotated[int, typer.Option(help="Timed runs per path (best kept).")] = 2,
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the modeled H200 recompute.")] = 0.5,
+) -> None:
+    """KV restores (L2, peer, L3, handoff) vs memcpy and modeled H200 recompute; L3 writes of a growing session."""
+    from bench.datapath import DatapathConfig, run_datapath_bench
+    from bench.recompute_model import GEOMETRIES
+
+    if geometry not in GEOMETRIES:
+        raise typer.BadParameter(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")
+    result = run_datapath_bench(DatapathConfig(geometry, context, turns, repeats, mfu))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))

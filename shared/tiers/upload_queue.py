@@ -118,6 +118,11 @@ class UploadQueue:
         """Chunks queued or in flight."""
         return self._pending
 
+    @property
+    def waiting_tails(self) -> int:
+        """Partial tail chunks held back for `tail_delay_s` (part of `pending_chunks`)."""
+        return len(self._waiting)
+
     def submit(self, namespace: str, hashes: Sequence[bytes], blocks: Sequence | None = None) -> bool:
         """Queue the chunks of a chain (`hashes`, position 0 first) that are not known stored.
 
