@@ -8,6 +8,7 @@ between the pool and pinned host memory on a stream of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +32,21 @@ def gather_blocks(
 def scatter_blocks(
     kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
     block_ids: torch.Tensor,  # [n] int, distinct
-    blocks: torch.Tensor,  # [n, L, 2, block_size, Hkv, D], any device
+    blocks: torch.Tensor | Sequence[torch.Tensor],  # [n, L, 2, block_size, Hkv, D], or n of [L, 2, ...]; any device
 ) -> None:
-    """Write blocks into kv_cache in place at block_ids (dtype/device converted)."""
+    """Write blocks into kv_cache in place at block_ids (dtype/device converted).
+
+    A list of blocks (each a view of the bytes a tier verified) goes into the pool with one copy
+    per block on the CPU path; stacking them first would copy every byte twice.
+    """
     if use_triton(kv_cache):
         from kernels.triton.block_copy import scatter_blocks_triton
 
-        scatter_blocks_triton(kv_cache, block_ids, blocks)
+        scatter_blocks_triton(kv_cache, block_ids, blocks if isinstance(blocks, torch.Tensor) else torch.stack(blocks))
+        return
+    if not isinstance(blocks, torch.Tensor):
+        for block_id, block in zip(block_ids.tolist(), blocks, strict=True):
+            kv_cache[:, :, block_id].copy_(block)
         return
     ids = block_ids.to(device=kv_cache.device, dtype=torch.long)
     src = blocks.to(device=kv_cache.device, dtype=kv_cache.dtype)

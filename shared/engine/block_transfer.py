@@ -112,7 +112,7 @@ def import_chain(cache: PrefixCache, kv_cache: torch.Tensor, blocks: Sequence[KV
         if copier is not None:
             copier.scatter_from_host(kv_cache, ids, [kb.data for kb, _ in todo])
         else:
-            scatter_blocks(kv_cache, ids, torch.stack([kb.data for kb, _ in todo]))
+            scatter_blocks(kv_cache, ids, [kb.data for kb, _ in todo])
         for block, (kb, depth) in zip(fresh, todo):
             parent = BlockHash(kb.parent_hash) if kb.parent_hash is not None else None
             if cache.store(block, BlockHash(kb.block_hash), parent, tuple(kb.token_ids), depth):
