@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -75,19 +75,11 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     sources: list[Source] = [L2Source(tiers.l2)]
     if prefix_worker and prefix_worker != tiers.worker_id and tiers.peer_client is not None:
         sources.append(PeerSource(tiers.peer_client, lambda p: (prefix_worker,)))
-    shm_peers = tuple(p for p in peer_ids if p != prefix_worker)
+    shm_peers = tuple(peer_ids)
     if shm_peers:
         sources.append(PeerSource(tiers.shm_peers, lambda p: shm_peers))
     if tiers.l3 is not None:
-        known_end = None
-        if nc is not None:
-            index = asyncio.ensure_future(lookup_prefix(nc, hashes, _INDEX_TIMEOUT_S))
-            index.add_done_callback(lambda f: _note_l3(tiers, tenant_salt, hashes, f))
-
-            async def known_end() -> int | None:
-                reply = await asyncio.shield(index)
-                return reply.l3_blocks if reply is not None and reply.ready else None
-
+        known_end = _ask_index(nc, tiers, tenant_salt, hashes) if nc is not None else None
         # A chain that ends inside a chunk is found only by probing each possible end (a GET each):
         # worth it when the prompt's start is not here (restart, another host), not for the fresh tail
         # of a conversation whose earlier turns were local.
@@ -98,6 +90,21 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     reach.blocks = fetched.blocks
     reach.sources.update(fetched.sources)
     return reach
+
+
+def _ask_index(nc: NATS, tiers: WorkerTiers, tenant_salt: str,
+               hashes: list[bytes]) -> Callable[[], Awaitable[int | None]]:
+    """Ask the cache index now; the result says how many leading blocks L3 holds (None: no ready answer).
+
+    Its answer also reaches `tiers.note_l3_present` whenever it comes, asked for or not."""
+    index = asyncio.ensure_future(lookup_prefix(nc, hashes, _INDEX_TIMEOUT_S))
+    index.add_done_callback(lambda f: _note_l3(tiers, tenant_salt, hashes, f))
+
+    async def known_end() -> int | None:
+        reply = await asyncio.shield(index)
+        return reply.l3_blocks if reply is not None and reply.ready else None
+
+    return known_end
 
 
 def _note_l3(tiers: WorkerTiers, tenant_salt: str, hashes: list[bytes], answer: asyncio.Future) -> None:

@@ -13,15 +13,22 @@ from collections.abc import AsyncIterator
 
 import nats
 import pytest
+from bus.helpers import FAST_BUS, connected, eventually
 
+from shared.bus.publish import Publisher
+from shared.bus.request import serve
+from shared.cache_index.messages import LookupRequest
+from shared.cache_index.service import CacheIndex
 from shared.cache_policy.base import LRUPolicy
-from shared.config import EngineSettings, Settings
+from shared.config import EngineSettings, IndexSettings, Settings
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
+from shared.kv_events.publisher import KVEventPublisher
+from shared.protocol import subjects
 from shared.serving.engine_loop import EngineLoop, RequestSpec
 from shared.serving.kv_fetch import L2Source, L3Source, PeerSource, cached_run, fetch_chain
 from shared.serving.prefix_reach import reach_prefix
-from shared.serving.worker_tiers import WorkerTiers
+from shared.serving.worker_tiers import WorkerTiers, namespace_for
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
@@ -191,3 +198,45 @@ async def test_prefill_reaches_the_named_worker_then_l3(tiny_loaded, nats_server
         await owner.close()
         await here.close()
         await nc.close()
+
+
+async def test_a_ready_index_bounds_the_l3_gets_and_marks_known_chunks(tiny_loaded, fresh_nats_server, s3_server):
+    """The index says L3 holds the first 8 blocks: the reach stops there (no GET past it, even though this
+    L3 holds more: the index is believed), and the tiers learn the 2 full chunks need no upload."""
+    bucket = f"index-{uuid.uuid4().hex[:10]}"
+    s3_server.ensure_bucket(bucket)
+    fp = tiny_loaded.fingerprint
+    salt = bytes.fromhex(SALT_A)
+    prompt = tiny_loaded.tokenizer.encode(TEXT)
+    src = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
+    src.generate([prompt], SamplingParams(max_tokens=1), tenant_salt=salt)
+    hashes = src.block_hashes(prompt, salt)
+    ns = namespace_for(SALT_A)
+    index_settings = IndexSettings(flush_interval_s=0.01, snapshot_every_s=3600, snapshot_name=f"s-{bucket}")
+    async with connected(fresh_nats_server.url, "index") as inc, connected(fresh_nats_server.url, "worker") as nc:
+        index = CacheIndex(inc, inc.jetstream(), index_settings, watch=False)
+        await index.start()
+        responder = await serve(inc, subjects.INDEX_LOOKUP, LookupRequest, index.lookup, queue="cache-index")
+        uploader = KVEventPublisher(Publisher(nc.jetstream(), FAST_BUS), "uploader", index_settings)
+        await uploader.start(nc)
+        here = await WorkerTiers.start(_settings(s3_server, bucket), nc, "here", fp, BLOCK_SIZE)
+        loop = EngineLoop(Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256)))
+        loop.start()
+        try:
+            writer = L3Store(here.l3.client, bucket, fp, chunk_blocks=here.l3.chunk_blocks)  # another worker's
+            writer.put_chain(ns, [encode_kv_block(b, fp) for b in src.export_blocks(hashes)])
+            uploader.stored(hashes[:8], Tier.L3, tokens_per_block=BLOCK_SIZE)
+            await uploader.flushed()
+            await eventually(lambda: index.ready and index.state.index.lookup(
+                [int.from_bytes(h[:8], "big") for h in hashes]).l3_blocks == 8, 10, "the index knows L3's 8 blocks")
+            reach = await reach_prefix(loop, here, [], prompt, SALT_A, nc, lease="r")
+            assert reach.sources == Counter({Tier.L3: 8})
+            await eventually(lambda: here.l3.is_known(ns, hashes[7]), 5, "the index's answer reached the tiers")
+            assert here.l3.is_known(ns, hashes[3]) and not here.l3.is_known(ns, hashes[11])
+            loop.release_lease("r")
+        finally:
+            loop.stop()
+            await here.close()
+            await uploader.stop()
+            await responder.drain()
+            await index.stop(write_snapshot=False)
