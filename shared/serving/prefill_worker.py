@@ -1,7 +1,7 @@
 """The prefill worker: reach the longest cached prefix, compute the rest, hand decode the blocks.
 
 For each `PrefillJob` (idempotent on request_id + attempt):
-1. import the longest prefix it can reach (shared/serving/prefix_reach.py);
+1. import the longest prefix it can reach (shared/serving/prefix_reach.py), under the request's lease;
 2. run the prompt for one token (the first token);
 3. register the prompt's full blocks in its L2 (+ queued L3 upload) and pin
    what the job's `pins` ask for;
@@ -83,24 +83,30 @@ class PrefillWorker:
         engine = self.rt.engine
         t0 = time.perf_counter()
         peers = self.rt.peers.ids() if self.settings.probe_peers else []
-        reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
-                                   self.publisher.nc)
         engine_id = f"{job.request_id}:{job.attempt}:prefill"
-        spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(max_tokens=1), salt, blocks=reach.blocks)
-        if self.ledger.aborted(job.request_id):
-            return
-        self._engine_ids[job.request_id] = engine_id
-        t1 = time.perf_counter()
         try:
-            out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
-        except ValueError as exc:
-            await self._fail(job, str(exc), retriable=False)
-            return
-        except TimeoutError:
-            await self._fail(job, "deadline passed during prefill", retriable=True)
-            return
+            # The reached blocks are imported as they arrive, under the request's lease: they stay
+            # in the pool until the request runs (it adopts the lease) or the lease is released.
+            reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
+                                       self.publisher.nc, prefix_worker=job.prefix_worker, lease=engine_id,
+                                       inflight=self.settings.resolve_inflight)
+            if self.ledger.aborted(job.request_id):
+                return
+            spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(max_tokens=1), salt)
+            self._engine_ids[job.request_id] = engine_id
+            t1 = time.perf_counter()
+            try:
+                out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
+            except ValueError as exc:
+                await self._fail(job, str(exc), retriable=False)
+                return
+            except TimeoutError:
+                await self._fail(job, "deadline passed during prefill", retriable=True)
+                return
+            finally:
+                self._engine_ids.pop(job.request_id, None)
         finally:
-            self._engine_ids.pop(job.request_id, None)
+            engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
         created = cache_created(job.pins, len(reach.hashes), engine.engine.block_size, out.cached_tokens)
