@@ -36,6 +36,7 @@ from shared.protocol.serving import DecodeJob
 from shared.serving.audit import AuditCase, CacheAudit
 from shared.serving.engine_loop import RequestSpec
 from shared.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, PeerSource, cached_run, fetch_chain
+from shared.serving.kv_store import store_chain
 from shared.serving.ledger import JobLedger, run_once
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import TokenStream
@@ -119,14 +120,8 @@ class DecodeWorker:
 
     async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str) -> int:
         """Full blocks of prompt + output into L2 (+ L3 queue); how many the chain has there now."""
-        tiers = self.rt.tiers
         hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
-        missing = tiers.missing(hashes)
-        exported = []
-        if missing:  # the copy to the host may finish off the engine thread (CUDA side stream)
-            pending = await self.rt.engine.call(lambda e: e.start_export(missing))
-            exported = await asyncio.to_thread(pending.wait)
-        handles, _ = tiers.register(hashes, exported, tenant_salt)
+        handles, _ = await store_chain(self.rt.engine, self.rt.tiers, hashes, tenant_salt)
         return len(handles)
 
     def abort(self, request_id: str) -> None:

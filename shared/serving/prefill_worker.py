@@ -31,6 +31,7 @@ from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 from shared.serving.engine_loop import RequestSpec
+from shared.serving.kv_store import store_chain
 from shared.serving.ledger import JobLedger, run_once
 from shared.serving.pinning import apply_pins, cache_created
 from shared.serving.prefix_reach import reach_prefix
@@ -131,9 +132,7 @@ class PrefillWorker:
                 final_sent = True
         t3 = time.perf_counter()
         tiers = self.rt.tiers
-        missing = tiers.missing(reach.hashes)
-        exported = await engine.call(lambda e: e.export_blocks(missing)) if missing else []
-        handles, chain = tiers.register(reach.hashes, exported, job.tenant_salt)
+        handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt)
         if job.pins:
             await apply_pins(engine, tiers, job.pins, reach.hashes)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),

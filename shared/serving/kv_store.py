@@ -1,0 +1,43 @@
+"""Finished blocks out of the engine into this worker's tiers, a window at a time.
+
+A worker registers a chain (the prompt's blocks after prefill, prompt +
+output after decode) by exporting the blocks its L2 lacks and handing them
+to `WorkerTiers.register` (L2, then the L3 upload queue). At real model
+geometry a 16k-token chain is 2 GiB at 8B: exported in one piece it would
+need a second 2 GiB host copy next to the pool and L2. Exported
+`window_blocks` at a time, the copy in flight is bounded (64 blocks = 128 MiB
+at 8B). Each window is exported as the leading run of what is still
+missing, so a block the engine dropped meanwhile ends the chain there, as a
+single export would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from shared.serving.engine_loop import EngineLoop
+from shared.serving.worker_tiers import WorkerTiers
+from shared.tiers.handle import BlockHandle
+
+WINDOW_BLOCKS = 64
+
+
+async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[bytes], tenant_salt: str,
+                      window_blocks: int = WINDOW_BLOCKS) -> tuple[list[BlockHandle], list]:
+    """`register` the chain `hashes` (position 0 first); returns what the last `register` returned:
+    the handles of the leading run L2 holds, and the encoded chain."""
+    hashes = list(hashes)
+    missing = tiers.missing(hashes)
+    at = {h: i for i, h in enumerate(hashes)}
+    for start in range(0, len(missing), window_blocks):
+        part = missing[start:start + window_blocks]
+        # The copy to the host may finish off the engine thread (CUDA side stream).
+        pending = await engine.call(lambda e, p=part: e.start_export(p))
+        exported = await asyncio.to_thread(pending.wait)
+        if not exported:
+            break
+        tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt)
+        if len(exported) < len(part):
+            break
+    return tiers.register(hashes, [], tenant_salt)

@@ -1,0 +1,58 @@
+"""store_chain: a chain leaves the engine a window at a time and lands whole in L2 and L3."""
+
+from __future__ import annotations
+
+import uuid
+
+import nats
+import pytest
+
+from shared.config import EngineSettings, Settings
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.serving.engine_loop import EngineLoop, RequestSpec
+from shared.serving.kv_store import store_chain
+from shared.serving.worker_tiers import WorkerTiers, namespace_for
+
+from .harness import BLOCK_SIZE, SALT_A
+
+pytestmark = pytest.mark.timeout(120)
+
+TEXT = "A long agent context leaves the pool in windows, never as one second copy of itself. " * 6
+
+
+async def test_a_chain_exported_in_windows_lands_whole(tiny_loaded, nats_server, s3_server):
+    bucket = f"store-{uuid.uuid4().hex[:10]}"
+    s3_server.ensure_bucket(bucket)
+    settings = Settings(s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
+                        s3_secret_key=s3_server.secret_key, s3={"bucket": bucket},
+                        tiers={"l2_shared_memory": False, "l3_chunk_tokens": 4 * BLOCK_SIZE})
+    salt = bytes.fromhex(SALT_A)
+    prompt = tiny_loaded.tokenizer.encode(TEXT)
+    engine = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
+    exports: list[int] = []  # how many blocks each export asked for
+    start_export = engine.start_export
+    engine.start_export = lambda hashes: exports.append(len(hashes)) or start_export(hashes)
+    loop = EngineLoop(engine)
+    loop.start()
+    nc = await nats.connect(nats_server.url)
+    tiers = await WorkerTiers.start(settings, nc, "store-worker", tiny_loaded.fingerprint, BLOCK_SIZE)
+    try:
+        await loop.run_request(RequestSpec("r", prompt, SamplingParams(max_tokens=1), salt), lambda _: None)
+        hashes = await loop.call(lambda e: e.block_hashes(prompt, salt))
+        assert len(hashes) >= 10
+        handles, chain = await store_chain(loop, tiers, hashes, SALT_A, window_blocks=3)
+        assert exports and max(exports) == 3 and sum(exports) == len(hashes)
+        assert [h.hash_bytes for h in handles] == hashes and len(chain) == len(hashes)
+        assert await tiers.uploads.join(30)
+        stored = tiers.l3.load_prefix(namespace_for(SALT_A), hashes)
+        assert [b.header.block_hash for b in stored] == hashes
+        # Registered again, nothing leaves the engine and nothing new goes to S3.
+        puts = tiers.l3.stats.put_requests
+        await store_chain(loop, tiers, hashes, SALT_A, window_blocks=3)
+        assert sum(exports) == len(hashes)
+        assert await tiers.uploads.join(30) and tiers.l3.stats.put_requests == puts
+    finally:
+        await tiers.close()
+        await nc.drain()
+        loop.stop()
