@@ -12,6 +12,10 @@ gone answers at once through the server's no-responders status; a peer that
 stops sending for `timeout_s` ends the transfer, and every block not yet
 complete becomes an UNAVAILABLE miss (blocks already verified are kept).
 The client verifies every block as it completes, while later ones travel.
+Requests, credits and replies travel on a lean wire to the same server
+(shared/transfer/nats_wire.py: frames sent from views of L2, payloads
+received into their own buffers) where the server allows one, else on the
+service's nats-py connection; the protocol is the same on both.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from nats.errors import Error as NatsError
 
 from shared.log import get_logger
 from shared.transfer.credit_window import CreditWindow, TransferCancelled
+from shared.transfer.links import Link, open_link
+from shared.transfer.nats_wire import NatsWire
 from shared.transfer.pieces import (
     BlockAssembly,
     decode_credit,
@@ -58,20 +64,22 @@ class NatsPeerServer:
     """
 
     def __init__(self, nc: NATS, tier: HostTier, worker_id: str, chunk_bytes: int | None = None,
-                 stall_s: float = 10.0, max_window_bytes: int = 64 << 20) -> None:
+                 stall_s: float = 10.0, max_window_bytes: int = 64 << 20, use_wire: bool = True) -> None:
         self.nc = nc
         self.tier = tier
         self.worker_id = worker_id
         self.chunk_bytes = chunk_bytes
         self.stall_s = stall_s
         self.max_window_bytes = max_window_bytes
+        self.use_wire = use_wire
         self._subs: list = []
         self._windows: dict[str, CreditWindow] = {}  # reply inbox -> its transfer's flow control
         self._tasks: set[asyncio.Task] = set()
+        self._link: Link | None = None  # where replies go out; requests and credits come in on `nc`
+        self._link_lock = asyncio.Lock()
 
-    @property
-    def message_bytes(self) -> int:
-        return min(self.chunk_bytes or self.nc.max_payload, self.nc.max_payload)
+    def message_bytes(self, link: Link) -> int:
+        return min(self.chunk_bytes or link.max_payload, link.max_payload, self.nc.max_payload)
 
     async def start(self) -> None:
         self._subs = [await self.nc.subscribe(peer_fetch_subject(self.worker_id), cb=self._on_request),
@@ -84,6 +92,16 @@ class NatsPeerServer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+
+    async def _reply_link(self) -> Link:
+        """The open reply link, opened on first use and again after a wire broke."""
+        async with self._link_lock:
+            if self._link is None or self._link.closed.is_set():
+                self._link = await open_link(self.nc, f"kvmesh-peer-{self.worker_id}", self.use_wire)
+            return self._link
 
     async def _on_request(self, msg: Msg) -> None:
         if not msg.reply or msg.reply in self._windows:
@@ -109,15 +127,15 @@ class NatsPeerServer:
 
     async def _stream(self, reply: str, hashes: list[bytes], flow: CreditWindow) -> None:
         try:
-            for parts in pack_messages(self._blocks(hashes), self.message_bytes):
-                payload = b"".join(parts)
-                await flow.reserve(len(payload), self.stall_s)
-                await self.nc.publish(reply, payload)
+            link = await self._reply_link()  # one connection per transfer: NATS keeps its order
+            for parts in pack_messages(self._blocks(hashes), self.message_bytes(link)):
+                await flow.reserve(sum(len(p) for p in parts), self.stall_s)
+                await link.publish(reply, parts)
         except TimeoutError:
             log.info("peer transfer dropped: no credit", stall_s=self.stall_s, blocks=len(hashes), sent=flow.sent)
         except TransferCancelled:
             pass
-        except NatsError as exc:
+        except (NatsError, ConnectionError) as exc:
             log.info("peer transfer failed", error=repr(exc))
         finally:
             self._windows.pop(reply, None)
@@ -131,6 +149,7 @@ class NatsPeerServer:
 
 @dataclass(slots=True)
 class _Transfer:
+    link: Link
     worker_id: str
     hashes: list[bytes]
     assembly: BlockAssembly
@@ -150,25 +169,45 @@ class NatsPeerClient:
     """
 
     def __init__(self, nc: NATS, fingerprint: str, counters: MissCounters, timeout_s: float = 5.0,
-                 window_bytes: int | None = None, max_transfers: int = 3) -> None:
+                 window_bytes: int | None = None, max_transfers: int = 3, use_wire: bool = True) -> None:
         self.nc = nc
         self.fingerprint = fingerprint
         self.counters = counters
         self.timeout_s = timeout_s
         self.window_bytes = window_bytes
+        self.use_wire = use_wire
         self._slots = asyncio.Semaphore(max_transfers)
         self._prefix = nc.new_inbox()
         self._pending: dict[str, _Transfer] = {}
         self._next = 0
-        self._sub = None
+        self._link: Link | None = None  # requests and credits go out, replies come in, all on this one
+        self._link_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+        await self._open_link()
 
     async def close(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+
+    async def _open_link(self) -> Link:
+        """The open link with the inbox subscribed; a broken wire is replaced (its transfers fail)."""
+        async with self._link_lock:
+            if self._link is None or self._link.closed.is_set():
+                link = await open_link(self.nc, "kvmesh-peer-client", self.use_wire)
+                if isinstance(link, NatsWire):
+                    link.on_close = lambda: self._lost(link)
+                await link.subscribe(self._prefix + ".*", self._on_reply)
+                self._link = link
+            return self._link
+
+    def _lost(self, link: Link) -> None:
+        """A wire broke: its transfers end now (their complete blocks stay), not at their timeout."""
+        for t in self._pending.values():
+            if t.link is link and not t.error:
+                t.error = "data connection lost"
+                t.progress.set()
 
     async def fetch(self, worker_id: str, block_hash: bytes) -> StoredBlock | Miss:
         return (await self.fetch_many(worker_id, [block_hash]))[0]
@@ -186,11 +225,16 @@ class NatsPeerClient:
         async with self._slots:
             self._next += 1
             inbox = f"{self._prefix}.{self._next}"
-            t = _Transfer(worker_id, hashes, BlockAssembly(len(hashes)), [None] * len(hashes))
-            self._pending[inbox] = t
-            window = self.window_bytes or 2 * self.nc.max_payload
             try:
-                await self.nc.publish(peer_fetch_subject(worker_id), encode_request(hashes, window), reply=inbox)
+                link = await self._open_link()
+            except (NatsError, ConnectionError) as exc:
+                return [self.counters.record(Miss(Tier.PEER, MissReason.UNAVAILABLE, f"{worker_id}: {exc!r}"))
+                        for _ in hashes]
+            t = _Transfer(link, worker_id, hashes, BlockAssembly(len(hashes)), [None] * len(hashes))
+            self._pending[inbox] = t
+            window = self.window_bytes or 2 * link.max_payload
+            try:
+                await link.publish(peer_fetch_subject(worker_id), [encode_request(hashes, window)], reply=inbox)
                 while not t.assembly.done and not t.error:
                     t.progress.clear()
                     await asyncio.wait_for(t.progress.wait(), self.timeout_s)
@@ -200,29 +244,32 @@ class NatsPeerClient:
                 t.error = repr(exc)
             finally:
                 del self._pending[inbox]
-            if t.error and t.error != "no responders":
-                await self._cancel(worker_id, inbox, t.received)
+            if t.error and t.error not in ("no responders", "data connection lost"):
+                await self._cancel(link, worker_id, inbox, t.received)
         detail = f"{worker_id}: {t.error}"
         return [r if r is not None else self.counters.record(Miss(Tier.PEER, MissReason.UNAVAILABLE, detail))
                 for r in t.results]
 
-    async def _on_reply(self, msg: Msg) -> None:
-        t = self._pending.get(msg.subject)
+    async def _on_reply(self, subject: str, payload: bytearray | None) -> None:
+        t = self._pending.get(subject)
         if t is None or t.error:
             return
-        if not msg.data:  # a status message: 503, nobody serves that worker's subject (it is gone)
+        if payload is None:  # 503: nobody serves that worker's subject (it is gone)
             t.error = "no responders"
             t.progress.set()
             return
         try:
-            completed = t.assembly.add(msg.data)
+            completed = t.assembly.add(payload)
         except ValueError as exc:
             t.error = f"bad reply: {exc}"
             t.progress.set()
             return
-        t.received += len(msg.data)
+        t.received += len(payload)
         if not t.assembly.done:
-            await self.nc.publish(peer_credit_subject(t.worker_id), encode_credit(t.received, msg.subject))
+            try:
+                await t.link.publish(peer_credit_subject(t.worker_id), [encode_credit(t.received, subject)])
+            except (NatsError, ConnectionError) as exc:
+                t.error = repr(exc)
         for i in completed:
             t.results[i] = self._verified(t, i)
         t.progress.set()
@@ -232,9 +279,10 @@ class NatsPeerClient:
             return self.counters.record(Miss(Tier.PEER, MissReason.NOT_FOUND, t.worker_id))
         return decode_or_miss(t.assembly.blocks[i], self.fingerprint, t.hashes[i], Tier.PEER, self.counters)
 
-    async def _cancel(self, worker_id: str, inbox: str, received: int) -> None:
+    @staticmethod
+    async def _cancel(link: Link, worker_id: str, inbox: str, received: int) -> None:
         """Tell the owner to stop streaming a transfer we gave up on (best effort)."""
         try:
-            await self.nc.publish(peer_credit_subject(worker_id), encode_credit(received, inbox, cancel=True))
+            await link.publish(peer_credit_subject(worker_id), [encode_credit(received, inbox, cancel=True)])
         except (NatsError, ConnectionError):
             pass

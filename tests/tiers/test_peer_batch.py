@@ -21,6 +21,7 @@ from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
 from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer, peer_fetch_subject
 from shared.transfer.credit_window import CreditWindow, TransferCancelled
+from shared.transfer.nats_wire import NatsWire, WireUnsupported
 from shared.transfer.pieces import BlockAssembly, decode_request, encode_request, pack_messages
 
 from .conftest import FINGERPRINT, make_chain
@@ -119,20 +120,22 @@ async def test_a_peer_that_stops_sending_ends_in_misses_and_keeps_what_arrived(n
         await nc.close()
 
 
-async def test_a_window_smaller_than_the_chain_moves_it_on_credits(nats_server) -> None:
-    """Window of one message: every further message waits for the client's credit."""
+@pytest.mark.parametrize("use_wire", [True, False], ids=["wire", "nats-py"])
+async def test_a_window_smaller_than_the_chain_moves_it_on_credits(nats_server, use_wire: bool) -> None:
+    """Window of one message: every further message waits for the client's credit (on both links)."""
     chain = make_chain(12, seed=2, shape=(2, 2, 16, 4, 64))  # 32 KiB blocks
     tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, "windowed")
     for b in chain:
         tier.put_block(b)
     nc = await nats.connect(nats_server.url)
-    server = NatsPeerServer(nc, tier, "windowed", chunk_bytes=20_000, max_window_bytes=20_000)
-    client = NatsPeerClient(nc, FINGERPRINT, MissCounters(), timeout_s=5.0, window_bytes=1)
+    server = NatsPeerServer(nc, tier, "windowed", chunk_bytes=20_000, max_window_bytes=20_000, use_wire=use_wire)
+    client = NatsPeerClient(nc, FINGERPRINT, MissCounters(), timeout_s=5.0, window_bytes=1, use_wire=use_wire)
     await server.start()
     await client.start()
     try:
         got = await client.fetch_many("windowed", [b.block_hash for b in chain])
         assert all(_same(g.to_kv_block().data, b.data) for g, b in zip(got, chain))
+        assert isinstance(client._link, NatsWire) is use_wire
     finally:
         await server.stop()
         await client.close()
@@ -189,3 +192,48 @@ def test_a_piece_that_does_not_fit_the_request_is_refused() -> None:
     assert decode_request(encode_request(hashes, 1 << 20)) == (hashes, 1 << 20)
     with pytest.raises(ValueError):
         encode_request([b"short"], 1)
+
+
+async def test_a_broken_wire_ends_the_transfer_at_once(fresh_nats_server) -> None:
+    """The data connection drops mid-transfer (the server stops): misses now, not after the timeout."""
+    chain = make_chain(3, seed=3, shape=(2, 2, 16, 4, 64))
+    tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, "src")
+    for b in chain:
+        tier.put_block(b)
+    views = [tier.get_encoded(b.block_hash) for b in chain]
+    nc = await nats.connect(fresh_nats_server.url, max_reconnect_attempts=0)
+    first_sent = asyncio.Event()
+
+    async def sends_one_then_waits(msg) -> None:
+        first = next(pack_messages([(0, views[0])], len(views[0]) + 64))
+        await nc.publish(msg.reply, b"".join(first))
+        first_sent.set()
+
+    await nc.subscribe(peer_fetch_subject("slow"), cb=sends_one_then_waits)
+    client = NatsPeerClient(nc, FINGERPRINT, MissCounters(), timeout_s=600.0)
+    await client.start()
+    fetch = asyncio.ensure_future(client.fetch_many("slow", [b.block_hash for b in chain]))
+    await first_sent.wait()
+    await nc.flush()
+    fresh_nats_server.stop()
+    got = await fetch
+    assert [getattr(g, "detail", "") for g in got[1:]] == ["slow: data connection lost"] * 2
+    await client.close()
+    await nc.close()
+
+
+async def test_the_wire_refuses_a_server_that_wants_tls() -> None:
+    async def greet(reader, writer) -> None:
+        writer.write(b'INFO {"server_id":"x","tls_required":true,"max_payload":1048576}\r\n')
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    server = await asyncio.start_server(greet, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(WireUnsupported):
+            await NatsWire.connect(f"nats://127.0.0.1:{port}")
+    finally:
+        server.close()
+        await server.wait_closed()
