@@ -3,8 +3,8 @@
 The client publishes the hashes (shared/transfer/pieces.py) to
 `peer_fetch_subject(owner)` with a reply inbox of its own. The owner answers
 with messages of up to the server's `max_payload` holding pieces of the
-blocks, in request order, built from views of its L2 (one join per message,
-no per-block round trip), and keeps at most the client's window of bytes in
+blocks, in request order, made of views of its L2 (no per-block round
+trip, no copy before the socket), and keeps at most the client's window of bytes in
 flight: the client credits what it has taken in on `peer_credit_subject`, so
 a slow client cannot make the bus buffer without bound (credit_window.py).
 A block not in L2 answers "not here" for that block alone. A worker that is
@@ -30,7 +30,7 @@ from nats.errors import Error as NatsError
 
 from shared.log import get_logger
 from shared.transfer.credit_window import CreditWindow, TransferCancelled
-from shared.transfer.links import Link, open_link
+from shared.transfer.links import Link, NatsPyLink, open_link
 from shared.transfer.nats_wire import NatsWire
 from shared.transfer.pieces import (
     BlockAssembly,
@@ -139,6 +139,8 @@ class NatsPeerServer:
             log.info("peer transfer failed", error=repr(exc))
         finally:
             self._windows.pop(reply, None)
+            if isinstance(self._link, NatsPyLink) and self._link.temporary:
+                self._link = None  # the next transfer tries for a wire again
 
     def _blocks(self, hashes: list[bytes]) -> Iterator[tuple[int, memoryview | None]]:
         """Views of the stored bytes, looked up as the stream reaches them (eviction meanwhile = not here)."""
@@ -202,6 +204,13 @@ class NatsPeerClient:
                 self._link = link
             return self._link
 
+    async def _drop_if_temporary(self, link: Link) -> None:
+        """A stand-in nats-py link is let go once idle, so the next transfer tries for a wire again."""
+        if (isinstance(link, NatsPyLink) and link.temporary and self._link is link
+                and not any(t.link is link for t in self._pending.values())):
+            self._link = None
+            await link.close()
+
     def _lost(self, link: Link) -> None:
         """A wire broke: its transfers end now (their complete blocks stay), not at their timeout."""
         for t in self._pending.values():
@@ -246,6 +255,7 @@ class NatsPeerClient:
                 del self._pending[inbox]
             if t.error and t.error not in ("no responders", "data connection lost"):
                 await self._cancel(link, worker_id, inbox, t.received)
+            await self._drop_if_temporary(link)
         detail = f"{worker_id}: {t.error}"
         return [r if r is not None else self.counters.record(Miss(Tier.PEER, MissReason.UNAVAILABLE, detail))
                 for r in t.results]

@@ -34,10 +34,15 @@ class Link(Protocol):
 
 
 class NatsPyLink:
-    """The service's nats-py connection, shared: closing the link only drops its subscriptions."""
+    """The service's nats-py connection, shared: closing the link only drops its subscriptions.
 
-    def __init__(self, nc: NATS) -> None:
+    `temporary`: taken because a wire could not be opened just now (the server restarting), not
+    because the server refuses wires; its user drops it when idle so the next transfer tries again.
+    """
+
+    def __init__(self, nc: NATS, temporary: bool = False) -> None:
         self.nc = nc
+        self.temporary = temporary
         self.closed = asyncio.Event()  # never set: nats-py reconnects on its own
         self._subs: list = []
 
@@ -62,9 +67,15 @@ class NatsPyLink:
 
 async def open_link(nc: NATS, name: str, use_wire: bool = True) -> Link:
     """A wire to `nc`'s current server, or `nc` itself where a wire cannot be had."""
-    if use_wire and nc.connected_url is not None:
-        try:
-            return await NatsWire.connect(nc.connected_url.geturl(), name)
-        except (WireUnsupported, OSError, TimeoutError) as exc:
-            log.info("peer data stays on nats-py", reason=repr(exc))
-    return NatsPyLink(nc)
+    if not use_wire:
+        return NatsPyLink(nc)
+    if nc.connected_url is None:  # reconnecting
+        return NatsPyLink(nc, temporary=True)
+    try:
+        return await NatsWire.connect(nc.connected_url.geturl(), name)
+    except WireUnsupported as exc:
+        log.info("peer data stays on nats-py", reason=str(exc))
+        return NatsPyLink(nc)
+    except (OSError, TimeoutError) as exc:
+        log.info("peer data on nats-py for now", reason=repr(exc))
+        return NatsPyLink(nc, temporary=True)
