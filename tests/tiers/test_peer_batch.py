@@ -8,6 +8,7 @@ built from the same seed.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import multiprocessing as mp
 import os
@@ -237,3 +238,15 @@ async def test_the_wire_refuses_a_server_that_wants_tls() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_transfer_engines_bench_runs_the_kvmesh_paths() -> None:
+    """bench/transfer_engines.py end to end at a tiny size (its numbers are not checked, only its shape)."""
+    from bench.transfer_engines import run
+
+    only = ["memcpy", "kvmesh_shm", "nats_per_block", "nats_batch"]
+    result = run(argparse.Namespace(mib=8, block_mib=2, reps=1, only=only))
+    paths = result["paths"]
+    assert set(paths) == {"memcpy", "kvmesh_shm", "nats_per_block", "nats_batch"}
+    assert all(paths[k]["GBps"] > 0 and "vs_memcpy" in paths[k] for k in paths), paths
+    assert result["nats_batch_vs_per_block"] > 0
