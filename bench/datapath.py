@@ -31,6 +31,7 @@ import asyncio
 import gc
 import tempfile
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +117,7 @@ async def run(cfg: DatapathConfig, progress: Progress) -> dict:
                 l2.put_encoded(encode_kv_block(kb, loaded.fingerprint))
             nbytes = sum(l2.get(h).data.numel() * 2 for h in hashes)
             dst = torch.empty(nbytes // 2, dtype=torch.bfloat16)
-            memcpy = lambda: _memcpy_s(l2, hashes, dst)  # noqa: E731
+            memcpy = partial(_memcpy_s, l2, hashes, dst)
             env = paths.Env(engine, spec, hashes, l2, nats_server.url, s3)
             results: dict[str, tuple[float, float]] = {}
             progress.update(task, total=1, completed=1)
@@ -126,7 +127,7 @@ async def run(cfg: DatapathConfig, progress: Progress) -> dict:
                 async with restore(env) as run_once:
                     results[name] = await _best(run_once, memcpy, engine, hashes, cfg.repeats)
                 progress.update(step, total=1, completed=1)
-            del dst
+            del memcpy, dst
             l2.close()
             step = progress.add_task(f"growing session: {cfg.turns} turns", total=cfg.turns)
             writes = await paths.growing_session(env, cfg.turns, nbytes, root, lambda: progress.advance(step))

@@ -56,7 +56,7 @@ async def _restore(env: Env, source: Source) -> tuple[float, int]:
     t0 = time.perf_counter()
     got = await fetch_chain(env.engine, env.hashes, 0, len(env.hashes), [source], tenant_salt=env.spec.tenant_salt,
                             lease=None, window_blocks=WINDOW, inflight=INFLIGHT)
-    return time.perf_counter() - t0, len(got.blocks)
+    return time.perf_counter() - t0, len(got.hashes)
 
 
 @asynccontextmanager

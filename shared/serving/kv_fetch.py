@@ -60,7 +60,10 @@ class Source(Protocol):
 
 @dataclass
 class Fetched:
-    blocks: list[KVBlock] = field(default_factory=list)  # imported, in chain order, from position `start`
+    # Hashes imported, in chain order, from position `start`. Only hashes: a block's bytes (a view of
+    # the whole L3 object or peer message it came in) are let go once it is in the pool, so a long
+    # restore holds no more than its windows in flight.
+    hashes: list[bytes] = field(default_factory=list)
     sources: Counter = field(default_factory=Counter)  # Tier -> blocks imported from there
 
 
@@ -118,7 +121,7 @@ async def fetch_chain(engine: EngineLoop, hashes: Sequence[bytes], start: int, s
                 break
             res = await engine.call(lambda e, b=blocks: e.import_chain(b, tenant_salt, lease=lease))
             landed = res.reached
-            out.blocks += blocks[:landed]
+            out.hashes += [kb.block_hash for kb in blocks[:landed]]
             for tier, run in parts:
                 out.sources[tier] += min(len(run), landed)
                 landed -= min(len(run), landed)

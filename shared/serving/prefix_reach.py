@@ -25,7 +25,6 @@ from nats.aio.client import Client as NATS
 from shared.cache_index.client import lookup_prefix
 from shared.cache_index.messages import LookupReply
 from shared.config import WorkerSettings
-from shared.engine.kv_block import KVBlock
 from shared.serving.engine_loop import EngineLoop
 from shared.serving.kv_fetch import (
     DEFAULT_WINDOW_BLOCKS,
@@ -47,12 +46,12 @@ _INFLIGHT = WorkerSettings().resolve_inflight
 class Reach:
     hashes: list[bytes]  # chained hashes of the prompt's full blocks
     l1_blocks: int  # leading blocks already in the engine
-    blocks: list[KVBlock] = field(default_factory=list)  # the run right after them, already imported
+    imported: int = 0  # blocks right after them, fetched from the tiers and already in the engine
     sources: Counter = field(default_factory=Counter)  # Tier -> blocks found there
 
     @property
     def reached_blocks(self) -> int:
-        return self.l1_blocks + len(self.blocks)
+        return self.l1_blocks + self.imported
 
 
 async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequence[str], prompt_ids: list[int],
@@ -61,9 +60,8 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     """With `nc`, the cache index is asked (while the host tiers are looked at) how far L3 holds the chain;
     a ready index that knows of nothing past a window's start saves its L3 GETs. No answer: ask L3.
 
-    `reach.blocks` are in the engine already; a caller that still passes them with the request
-    (`RequestSpec.blocks`) re-imports only those evicted meanwhile. With `lease`, release it
-    (`EngineLoop.release_lease`) if the request is never added.
+    The reached blocks are in the engine already (under `lease`, when given: release it with
+    `EngineLoop.release_lease` if the request is never added).
     """
     salt = bytes.fromhex(tenant_salt)
     usable = (len(prompt_ids) - 1) // engine.engine.block_size
@@ -87,7 +85,7 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     window = tiers.l3.chunk_blocks if tiers.l3 is not None else DEFAULT_WINDOW_BLOCKS
     fetched = await fetch_chain(engine, hashes, l1, usable, sources, tenant_salt=salt, lease=lease,
                                 window_blocks=window, inflight=inflight)
-    reach.blocks = fetched.blocks
+    reach.imported = len(fetched.hashes)
     reach.sources.update(fetched.sources)
     return reach
 

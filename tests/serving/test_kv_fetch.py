@@ -100,7 +100,7 @@ async def test_chain_from_l1_l2_peer_and_l3_matches_reference(engine, computed, 
         fetched = await fetch_chain(engine, hashes, l1, len(hashes), sources, tenant_salt=b"", lease="req",
                                     window_blocks=4, inflight=2)
         assert fetched.sources == Counter({Tier.L2: 3, Tier.PEER: 4, Tier.L3: len(hashes) - 8})
-        assert [kb.block_hash for kb in fetched.blocks] == hashes[1:]
+        assert fetched.hashes == hashes[1:]
         assert await engine.call(lambda e: e.leases.held("req")) == len(hashes)
         out = await _run(engine, "req", prompt)
     finally:
@@ -124,7 +124,7 @@ async def test_fetch_stops_at_the_first_missing_block(engine, computed, tiny_loa
     fetched = await fetch_chain(engine, hashes, 0, 10, sources, tenant_salt=b"", lease="x", window_blocks=2,
                                 inflight=3)
     assert fetched.sources == Counter({Tier.L2: 4})
-    assert [kb.block_hash for kb in fetched.blocks] == hashes[:4]
+    assert fetched.hashes == hashes[:4]
     assert await engine.call(lambda e: (len(e.cache.lookup(hashes, prompt)), hashes[5] in e.cache)) == (4, False)
     assert await engine.call(lambda e: e.leases.held("x")) == 4
     engine.release_lease("x")
@@ -145,7 +145,7 @@ async def test_fetch_stops_where_the_pool_is_full(tiny_loaded, computed):
                                     window_blocks=2, inflight=2)
         # Without a lease of the caller's, the chain is held while it is fetched (its start is never
         # evicted to make room for its end), and not after.
-        assert fetched.sources == Counter({Tier.L2: 7}) and len(fetched.blocks) == 7
+        assert fetched.sources == Counter({Tier.L2: 7}) and len(fetched.hashes) == 7
         assert await small.call(lambda e: (len(e.cache.lookup(hashes, prompt)), len(e.leases))) == (7, 0)
     finally:
         small.stop()
