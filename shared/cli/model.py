@@ -32,7 +32,7 @@ def _describe(model_dir: Path) -> dict:
 @app.command()
 def init(
     out: Annotated[Path, typer.Option(help="Directory to write the checkpoint into.")],
-    preset: Annotated[str, typer.Option(help="tiny (tests), small (benchmarks), llama3-8b or llama3-70b (real KV geometry).")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny (tests), agent (tiny with 32k positions: kvmesh up's default), small (benchmarks), llama3-8b or llama3-70b (real KV geometry).")] = "tiny",
     arch: Annotated[str, typer.Option(help="llama or qwen2.")] = "llama",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,

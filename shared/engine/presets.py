@@ -1,5 +1,7 @@
-"""Seeded synthetic checkpoints in HF format: `tiny` for tests, `small` for benches,
-`llama3-8b` / `llama3-70b` for the KV data path at real geometry.
+"""Seeded synthetic checkpoints in HF format: `tiny` for tests, `agent` (tiny's
+widths, 32k positions: what `kvmesh up` serves, so agent trajectories replay
+to their last turn), `small` for benches, `llama3-8b` / `llama3-70b` for the KV
+data path at real geometry.
 
 The geometry presets carry the real models' KV shape (layers, KV heads,
 head dim, bf16 KV: 131,072 bytes per token for Llama-3-8B, 327,680 for
@@ -53,6 +55,8 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(64, 176, 2, 4, 2, 16, 1024, 4096),
+    # As cheap to run as tiny (512 B of KV per token), long enough for an agent's whole context.
+    "agent": Preset(64, 176, 2, 4, 2, 16, 1024, 32768),
     "small": Preset(768, 2048, 6, 12, 4, 64, 8192, 16384),
     # Real KV geometry (32 x 8 x 128 and 80 x 8 x 128, bf16); hidden/MLP cut to CPU size.
     "llama3-8b": Preset(256, 512, 32, 8, 8, 128, 1024, 32768, "bfloat16"),

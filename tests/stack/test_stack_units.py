@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import stat
 from pathlib import Path
@@ -56,15 +58,16 @@ def test_only_one_claim_wins(tmp_path: Path) -> None:
     assert claim_state(state)
 
 
-def test_tiny_model_made_once_when_needed(tmp_path: Path) -> None:
+def test_default_model_made_once_when_needed(tmp_path: Path) -> None:
     assert resolve_model_dir(None, tmp_path, needed=False) is None
     made = resolve_model_dir(None, tmp_path, needed=True)
-    assert made == tmp_path / "models" / "tiny" and (made / "config.json").is_file()
+    assert made == tmp_path / "models" / "agent" and (made / "config.json").is_file()
     assert (made / "tokenizer.json").is_file() and list(made.glob("*.safetensors"))
     stamp = (made / "config.json").stat().st_mtime_ns
     assert resolve_model_dir(None, tmp_path, needed=True) == made
     assert (made / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert not (tmp_path / "models" / ".tiny.partial").exists()
+    assert not (tmp_path / "models" / ".agent.partial").exists()
+    assert json.loads((made / "config.json").read_text())["max_position_embeddings"] >= 32768  # an agent's context fits
 
 
 def test_explicit_model_dir_must_be_a_checkpoint(tmp_path: Path) -> None:
