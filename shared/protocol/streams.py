@@ -145,7 +145,9 @@ COMMANDS = StreamSpec("COMMANDS", (subjects.COMMANDS_ALL,), 1 * HOUR, 256 * MiB,
                       description="commands to one worker: demote, delete, drain")
 DEAD_LETTER = StreamSpec("DEAD_LETTER", (subjects.DEAD_LETTER_ALL,), 7 * DAY, 1 * GiB, 8 * MiB,
                          description="poison messages with the reason in headers")
-ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMANDS, DEAD_LETTER)
+SESSIONS = StreamSpec("SESSIONS", (subjects.SESSION_EVENTS,), 1 * DAY, 256 * MiB, 64 * 1024,
+                      description="ingress -> eviction: how each agent turn ended (tool calls, answer, end)")
+ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMANDS, DEAD_LETTER, SESSIONS)
 
 WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size=64 * 1024,
                      description="worker heartbeats, one key per worker id, expiring by TTL")

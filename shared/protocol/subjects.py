@@ -99,6 +99,10 @@ def commands(worker_id: str) -> str:
     return f"{ROOT}.cmd.{token(worker_id)}"
 
 
+# Session events: the ingress says how each agent turn ended (shared/sessions/events.py); eviction listens.
+SESSION_EVENTS = f"{ROOT}.sessions.events"
+
+
 # Load reports: fire-and-forget, core NATS (a lost report is replaced by the next).
 LOAD_ALL = f"{ROOT}.load.>"
 

@@ -1,0 +1,50 @@
+"""Turn outcomes: what the ingress tells the fleet when a session's turn ends.
+
+An agent's turn ends in one of three ways, and each predicts the next use of
+the session's KV differently:
+
+- ``tool_calls``: the agent runs the named tools and comes back with their
+  results, usually within seconds;
+- ``answer``: a person reads the answer and maybe replies (minutes), or the
+  session is over;
+- ``ended``: the client said the session is over (the end endpoint, or a
+  hint); its unshared blocks can go first.
+
+One `SessionEvent` per ended turn goes to `subjects.session_events(tenant)`
+(stream SESSIONS). `last_hash` is the last full block of the turn's chain
+(the prompt plus what was generated, as far as blocks are full), so a
+consumer can find the whole chain from it (the index, the KV events).
+`expected_return_ms` is the client's hint, when it gave one. Consumers
+(eviction, routing) treat events as advice: a lost one costs cache hits,
+never correctness.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from shared.kv_events.events import HexHash
+from shared.protocol.base import Message
+
+
+class TurnOutcome(StrEnum):
+    TOOL_CALLS = "tool_calls"
+    ANSWER = "answer"
+    ENDED = "ended"
+
+
+class SessionEvent(Message):
+    """Session `session_id` of `tenant` ended a turn (or ended) at `at` (unix seconds)."""
+
+    tenant: str = Field(min_length=1)
+    session_id: str = Field(min_length=1)
+    request_id: str = ""  # the request whose turn ended ("" for an explicit end)
+    outcome: TurnOutcome
+    tools: list[str] = Field(default_factory=list)  # tool names called, for TOOL_CALLS
+    last_hash: HexHash | None = None  # the chain's last full block (None: no full block, or an explicit end)
+    chain_blocks: int = Field(default=0, ge=0)  # blocks in that chain
+    worker: str = ""  # the decode worker that holds the chain in L1 ("" if unknown)
+    expected_return_ms: int | None = Field(default=None, ge=0)  # the client's hint
+    at: float
