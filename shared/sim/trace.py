@@ -2,7 +2,10 @@
 
 One JSON object per line: ``timestamp`` (ms), ``input_length``,
 ``output_length`` and ``hash_ids``, the chained ids of the request's
-512-token input blocks (equal leading ids = shared prefix).
+512-token input blocks (equal leading ids = shared prefix). Agent traces add
+two optional fields: ``session_id`` (string) and ``tool_calls``, the tool
+names this turn's answer called (``[]``: a plain answer). That is what the
+server knows when a turn ends; a trace never carries the gap to the next one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     blocks: tuple[bytes, ...]
+    session_id: str | None = None
+    tool_calls: tuple[str, ...] | None = None  # None: the trace does not say how the turn ended
 
     def block_tokens(self, index: int) -> int:
         """Tokens in block ``index``: full blocks, except a partial last one."""
@@ -57,6 +62,8 @@ def parse_line(line: str) -> TraceRequest:
         input_length=int(obj["input_length"]),
         output_length=int(obj.get("output_length", 0)),
         blocks=tuple(block_key(int(h)) for h in obj["hash_ids"]),
+        session_id=None if obj.get("session_id") is None else str(obj["session_id"]),
+        tool_calls=None if obj.get("tool_calls") is None else tuple(str(t) for t in obj["tool_calls"]),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.sim.trace import TRACE_BLOCK_TOKENS, block_key, load_trace
+from shared.sim.trace import TRACE_BLOCK_TOKENS, block_key, load_trace, parse_line
 
 
 def test_load_trace_keys_times_and_partial_last_block(tmp_path: Path) -> None:
@@ -23,3 +23,13 @@ def test_load_trace_keys_times_and_partial_last_block(tmp_path: Path) -> None:
     assert (trace.input_blocks, trace.unique_blocks) == (5, 3)
     assert len(load_trace(path, limit=1).requests) == 1
     assert block_key(1) != block_key(256) and len(block_key(2**40)) == 8
+
+
+def test_agent_fields_are_optional_and_parsed() -> None:
+    plain = parse_line('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}')
+    assert plain.session_id is None and plain.tool_calls is None
+    agent = parse_line('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1], '
+                       '"session_id": "s1", "tool_calls": ["bash", "edit"]}')
+    assert agent.session_id == "s1" and agent.tool_calls == ("bash", "edit")
+    answer = parse_line('{"timestamp": 5, "input_length": 10, "hash_ids": [1], "session_id": 7, "tool_calls": []}')
+    assert answer.session_id == "7" and answer.tool_calls == ()
