@@ -47,4 +47,5 @@ class SessionEvent(Message):
     chain_blocks: int = Field(default=0, ge=0)  # blocks in that chain
     worker: str = ""  # the decode worker that holds the chain in L1 ("" if unknown)
     expected_return_ms: int | None = Field(default=None, ge=0)  # the client's hint
+    started_at: float | None = None  # when this turn's request arrived: the gap since the last turn is learned from it
     at: float
