@@ -39,6 +39,7 @@ class SessionEvent(Message):
     """Session `session_id` of `tenant` ended a turn (or ended) at `at` (unix seconds)."""
 
     tenant: str = Field(min_length=1)
+    tenant_salt: str = ""  # hex, as in the session's jobs: what a worker needs to prefetch its blocks
     session_id: str = Field(min_length=1)
     request_id: str = ""  # the request whose turn ended ("" for an explicit end)
     outcome: TurnOutcome
