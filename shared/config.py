@@ -49,6 +49,7 @@ class EngineSettings(BaseModel):
     device: str = "cpu"
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
+    pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
 
 
 class TierSettings(BaseModel):

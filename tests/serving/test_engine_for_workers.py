@@ -92,3 +92,16 @@ def test_pins_keep_blocks_until_their_time(loaded):
         _run(engine, f"after{i}", [200 + i] * (8 * BLOCK_SIZE - 1), params)
     assert engine.cached_prefix_tokens(keep) < 4 * BLOCK_SIZE
     assert len(engine.pins) == 0
+
+
+def test_pins_never_pass_their_budget(loaded):
+    engine = Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=16, pin_fraction=0.25))  # 4 blocks
+    params = SamplingParams(max_tokens=1)
+    first, second = list(range(10, 10 + 3 * BLOCK_SIZE + 1)), list(range(300, 300 + 3 * BLOCK_SIZE + 1))
+    _run(engine, "first", first, params)
+    _run(engine, "second", second, params)
+    until = time.time() + 60
+    assert engine.pin(engine.block_hashes(first), until) == 3
+    assert engine.pin(engine.block_hashes(second), until) == 1  # only the leading block fits
+    assert engine.pin(engine.block_hashes(first), until + 1) == 3  # extending a pinned block costs nothing
+    assert len(engine.pins) == 4 == engine.pins.limit
