@@ -40,7 +40,22 @@ class Warm(Message):
     keys: list[str] = Field(min_length=1)
 
 
-Command = Annotated[Demote | Drop | Warm, Field(discriminator="kind")]
+class Retain(Message):
+    """Keep a session's chain (`hashes`, root first) in L1 until `until` (unix seconds): it is expected back.
+
+    With `fetch` (a prefetch) the part of the chain not in L1 is first brought back from L2 or L3
+    under the tenant's hash keys (`tenant_salt`, hex). Pins stay within the worker's pin budget.
+    """
+
+    kind: Literal["retain"] = "retain"
+    hashes: list[HexHash] = Field(min_length=1)
+    until: float
+    fetch: bool = False
+    tenant_salt: str = ""
+    session_id: str = ""  # for logs
+
+
+Command = Annotated[Demote | Drop | Warm | Retain, Field(discriminator="kind")]
 
 
 class WorkerCommand(Message):

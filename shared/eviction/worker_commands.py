@@ -6,7 +6,10 @@
 - demote L2 -> L3: drop the L2 copy (the service sends this only for blocks
   L3 holds: uploads already wrote them); pinned L2 blocks stay;
 - drop: forget the blocks in L1 or L2;
-- warm: fetch chunk objects of this worker's model from L3 into L2 (verified on read).
+- warm: fetch chunk objects of this worker's model from L3 into L2 (verified on read);
+- retain: pin an agent session's chain in L1 until its predicted return,
+  first bringing back from L2/L3 what left L1 when asked to (a prefetch,
+  shared/serving/prefetch.py).
 
 Every action is idempotent (a block no longer where the command says is
 skipped), so a redelivered command is harmless. The engine runs on its own
@@ -24,12 +27,15 @@ from typing import Protocol, TypeVar
 from nats.aio.msg import Msg
 
 from shared.engine.engine import Engine
-from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
+from shared.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
 from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
 from shared.protocol.streams import COMMANDS, ConsumerSpec, worker_consumer
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
+from shared.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, Source
+from shared.serving.prefetch import retain_chain
+from shared.serving.worker_tiers import namespace_for
 from shared.tiers.miss import Miss, Tier
 
 T = TypeVar("T")
@@ -45,12 +51,16 @@ class EngineCaller(Protocol):
 
     async def call(self, fn: Callable[[Engine], T]) -> T: ...
 
+    def release_lease(self, lease: str) -> None: ...
+
 
 @dataclass(slots=True)
 class CommandResult:
     moved: int = 0  # blocks now one tier down
     dropped: int = 0
     warmed: int = 0  # blocks fetched from L3 into L2
+    retained: int = 0  # blocks pinned in L1 for a session expected back
+    prefetched: int = 0  # of those, blocks brought back into L1 first
     skipped: int = 0  # in use, pinned, absent, or a chunk L3 could not serve
 
 
@@ -60,6 +70,7 @@ class CommandHandler:
     l2: HostTier
     l3: L3Store | None = None
     events: KVEventPublisher | None = None
+    resolve_inflight: int = 3  # a prefetch's windows in flight (as a request's restore)
     applied: CommandResult = field(default_factory=CommandResult)  # running totals, for metrics and tests
 
     async def on_message(self, msg: Msg) -> None:
@@ -72,10 +83,12 @@ class CommandHandler:
             res = await self.demote([bytes.fromhex(h) for h in cmd.hashes], cmd.src)
         elif isinstance(cmd, Drop):
             res = await self.drop([bytes.fromhex(h) for h in cmd.hashes], cmd.tier)
+        elif isinstance(cmd, Retain):
+            res = await self.retain(cmd)
         else:
             assert isinstance(cmd, Warm)
             res = await self.warm(cmd.keys)
-        for name in ("moved", "dropped", "warmed", "skipped"):
+        for name in ("moved", "dropped", "warmed", "retained", "prefetched", "skipped"):
             setattr(self.applied, name, getattr(self.applied, name) + getattr(res, name))
         return res
 
@@ -123,6 +136,18 @@ class CommandHandler:
                 res.warmed += int(put.stored)
                 res.skipped += int(not put.stored)
         return res
+
+    async def retain(self, cmd: Retain) -> CommandResult:
+        hashes = [bytes.fromhex(h) for h in cmd.hashes]
+        sources: list[Source] = []
+        if cmd.fetch:
+            sources.append(L2Source(self.l2))
+            if self.l3 is not None:
+                sources.append(L3Source(self.l3, namespace_for(cmd.tenant_salt), search_partial=True))
+        window = self.l3.chunk_blocks if self.l3 is not None else DEFAULT_WINDOW_BLOCKS
+        got = await retain_chain(self.engine, hashes, cmd.until, sources, tenant_salt=bytes.fromhex(cmd.tenant_salt),
+                                 window_blocks=window, inflight=self.resolve_inflight)
+        return CommandResult(retained=got.pinned, prefetched=got.fetched, skipped=len(hashes) - got.pinned)
 
     # --- internals ---------------------------------------------------------
 

@@ -14,7 +14,7 @@ import pytest
 from shared.cache_policy.registry import get_policy
 from shared.config import EngineSettings
 from shared.engine.engine import Engine
-from shared.eviction.messages import Demote, Drop, Warm, WorkerCommand
+from shared.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
 from shared.eviction.worker_commands import CommandHandler
 from shared.serving.engine_loop import EngineLoop
 from shared.tiers.block_format import encode_kv_block
@@ -100,3 +100,37 @@ async def test_l2_to_l3_then_warm_back_and_same_tokens(worker, tiny_loaded, s3_s
     assert await loop.call(lambda e: e.import_blocks(blocks)) == 4
     again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
     assert again.cached_tokens > 0 and again.token_ids == first.token_ids == cold_tokens(tiny_loaded)
+
+
+async def test_retain_prefetches_a_session_back_into_l1_and_pins_it(worker, tiny_loaded, s3_server) -> None:
+    engine, loop, l2 = worker
+    first = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    hashes = engine.block_hashes(PROMPT)
+    exported = await loop.call(lambda e: e.export_blocks(hashes))
+    store = l3_store(s3_server, tiny_loaded.fingerprint, chunk_blocks=2)
+    store.put_chain("shared", [encode_kv_block(kb, tiny_loaded.fingerprint) for kb in exported])
+    l2.put_block(exported[0])  # the first block waits in L2, the rest only in L3
+    handler = CommandHandler(loop, l2, store)
+    assert (await handler.drop(hashes, Tier.L1)).dropped == 4
+    assert await loop.call(lambda e: e.cached_prefix_tokens(PROMPT)) == 0
+    until = time.time() + 60
+    res = await handler.apply(cmd(Retain(hashes=[h.hex() for h in hashes], until=until, fetch=True)))
+    assert res.prefetched == 4 and res.retained == 4 and res.skipped == 0
+    assert all(h in engine.pins for h in hashes)
+    # Pinned: churn that needs the whole rest of the pool does not evict the session's blocks.
+    churn = [[500 + i] * (BS * 59) for i in range(2)]
+    for i, prompt in enumerate(churn):
+        await loop.call(lambda e, p=prompt: e.generate([p], PARAMS))
+    again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
+    assert again.cached_tokens == len(PROMPT) - BS  # an L1 hit: the prefetched prefix
+    assert again.token_ids == first.token_ids == cold_tokens(tiny_loaded)
+
+
+async def test_retain_without_fetch_only_pins_what_l1_holds(worker) -> None:
+    engine, loop, l2 = worker
+    await loop.call(lambda e: e.generate([PROMPT], PARAMS))
+    hashes = engine.block_hashes(PROMPT)
+    handler = CommandHandler(loop, l2)
+    assert (await handler.drop(hashes[2:], Tier.L1)).dropped == 2
+    res = await handler.apply(cmd(Retain(hashes=[h.hex() for h in hashes], until=time.time() + 60)))
+    assert res.retained == 2 and res.prefetched == 0 and res.skipped == 2
