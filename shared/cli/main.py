@@ -40,3 +40,4 @@ from shared.cli import bench as _bench; app.add_typer(_bench.app, name="bench") 
 from shared.cli import kv as _kv; app.add_typer(_kv.app, name="kv")  # noqa: E402
 from shared.cli import chat as _chat; app.command(name="chat")(_chat.chat)  # noqa: E402
 from shared.cli import chaos as _chaos; app.add_typer(_chaos.app, name="chaos")  # noqa: E402
+from shared.cli import trace as _trace; app.add_typer(_trace.app, name="trace")  # noqa: E402

@@ -1,0 +1,69 @@
+"""`kvmesh trace from-trajectories`: agent trajectories as a hash-id trace of interleaved sessions.
+
+The logic lives in shared/sim/trajectories.py; this shell parses options,
+shows progress on stderr and prints a one-line JSON summary on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Build hash-id request traces for `kvmesh sim`.", no_args_is_help=True)
+
+
+@app.command("from-trajectories")
+def from_trajectories(
+    directory: Annotated[Path, typer.Argument(help="Folder of SWE-agent .traj files.", exists=True, file_okay=False)],
+    out: Annotated[Path, typer.Option(help="JSONL trace to write.", dir_okay=False)],
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions (trajectories drawn with replacement).")] = 400,
+    rate: Annotated[float, typer.Option(min=0.0, help="Session arrivals per second (Poisson).")] = 2.0,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, draws and session salts.")] = 0,
+    output_tokens_per_s: Annotated[float, typer.Option(min=0.0, help="Decode rate a turn generates at.")] = 50.0,
+    tool_median_s: Annotated[float, typer.Option(help="Median tool latency when none is recorded.")] = 1.5,
+    tool_sigma: Annotated[float, typer.Option(help="Log-normal sigma of tool latency.")] = 0.8,
+    tool_cap_s: Annotated[float, typer.Option(help="Longest drawn tool latency.")] = 30.0,
+    follow_up: Annotated[float, typer.Option(min=0.0, max=1.0, help="Chance a finished task gets a follow-up task.")] = 0.25,
+    human_median_s: Annotated[float, typer.Option(help="Median human gap before a follow-up.")] = 90.0,
+    human_sigma: Annotated[float, typer.Option(help="Log-normal sigma of the human gap.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Context limit (the agent preset's positions).")] = 32768,
+    shared_system_prompt: Annotated[
+        bool, typer.Option(help="Sessions share the system prompt's blocks (one deployment's agents).")
+    ] = True,
+) -> None:
+    """Turn DIRECTORY's trajectories into a Mooncake-format trace with session_id and tool_calls."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shared.sim.trajectories import (
+        SessionsConfig,
+        Timing,
+        agent_preset_tokenizer,
+        build_trace,
+        load_trajectories,
+        summarize,
+        write_trace,
+    )
+
+    if rate <= 0 or output_tokens_per_s <= 0:
+        raise typer.BadParameter("--rate and --output-tokens-per-s must be > 0")
+    timing = Timing(output_tokens_per_s, tool_median_s, tool_sigma, tool_cap_s, follow_up, human_median_s, human_sigma)
+    config = SessionsConfig(sessions, rate, seed, timing, max_tokens, share_system_prompt=shared_system_prompt)
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        setup = bar.add_task("agent preset tokenizer", total=None)
+        tokenizer = agent_preset_tokenizer()
+        bar.update(setup, description="tokenize trajectories", total=len(list(directory.glob("*.traj"))))
+        try:
+            pool = load_trajectories(directory, tokenizer, lambda _: bar.advance(setup))
+        except (FileNotFoundError, ValueError) as exc:
+            raise typer.BadParameter(str(exc)) from None
+        task = bar.add_task("sessions", total=sessions)
+        rows = build_trace(pool, config, lambda n: bar.advance(task, n))
+        bar.add_task(f"write {out}", total=None)
+        write_trace(rows, out)
+    typer.echo(json.dumps({"trace": str(out), **summarize(rows)}))
