@@ -26,7 +26,9 @@ def from_trajectories(
     tool_median_s: Annotated[float, typer.Option(help="Median tool latency when none is recorded.")] = 1.5,
     tool_sigma: Annotated[float, typer.Option(help="Log-normal sigma of tool latency.")] = 0.8,
     tool_cap_s: Annotated[float, typer.Option(help="Longest drawn tool latency.")] = 30.0,
-    follow_up: Annotated[float, typer.Option(min=0.0, max=1.0, help="Chance a finished task gets a follow-up task.")] = 0.25,
+    follow_up: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Chance a finished task gets a follow-up task.")
+    ] = 0.25,
     human_median_s: Annotated[float, typer.Option(help="Median human gap before a follow-up.")] = 90.0,
     human_sigma: Annotated[float, typer.Option(help="Log-normal sigma of the human gap.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(min=1, help="Context limit (the agent preset's positions).")] = 32768,
@@ -50,8 +52,14 @@ def from_trajectories(
 
     if rate <= 0 or output_tokens_per_s <= 0:
         raise typer.BadParameter("--rate and --output-tokens-per-s must be > 0")
-    timing = Timing(output_tokens_per_s, tool_median_s, tool_sigma, tool_cap_s, follow_up, human_median_s, human_sigma)
-    config = SessionsConfig(sessions, rate, seed, timing, max_tokens, share_system_prompt=shared_system_prompt)
+    timing = Timing(
+        output_tokens_per_s=output_tokens_per_s, tool_median_s=tool_median_s, tool_sigma=tool_sigma,
+        tool_cap_s=tool_cap_s, follow_up=follow_up, human_median_s=human_median_s, human_sigma=human_sigma,
+    )
+    config = SessionsConfig(
+        sessions=sessions, rate=rate, seed=seed, timing=timing, max_tokens=max_tokens,
+        share_system_prompt=shared_system_prompt,
+    )
     err = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as bar:

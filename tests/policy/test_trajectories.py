@@ -75,7 +75,8 @@ def test_poisson_starts_are_seeded_and_have_the_asked_rate() -> None:
 @needs_trajectories
 def test_pieces_tokenize_like_each_whole_templated_prompt(tokenizer, pool) -> None:
     for name in ("ctf_crypto_eps", "function_calling_simple"):
-        history = [{**m, "content": m.get("content") or ""} for m in json.loads((TRAJ_DIR / f"{name}.traj").read_text())["history"]]
+        raw = json.loads((TRAJ_DIR / f"{name}.traj").read_text())["history"]
+        history = [{**m, "content": m.get("content") or ""} for m in raw]
         traj = pool[name]
         for turn in traj.turns:
             text = tokenizer.apply_chat_template(history[: turn.prompt_messages], add_generation_prompt=True)
@@ -87,7 +88,8 @@ def test_tool_calls_of_real_trajectories(pool) -> None:
     eps = [t.tools for t in pool["ctf_crypto_eps"].turns]
     # shell commands, then five wrong flags (submit is a tool that answers), then the run's last turn
     assert eps == [("bash",)] * 8 + [("submit",)] * 5 + [()]
-    assert [t.tools for t in pool["function_calling_simple"].turns] == [("find_file",), ("open",), ("edit",), ("bash",), ()]
+    structured = [t.tools for t in pool["function_calling_simple"].turns]
+    assert structured == [("find_file",), ("open",), ("edit",), ("bash",), ()]
     assert pool["ctf_crypto_BabyEncryption"].turns[0].tools == ("open",)
     assert all(t.output_tokens > 0 for traj in pool.values() for t in traj.turns)
 
@@ -146,7 +148,8 @@ def test_cli_writes_the_trace_and_prints_its_summary(tmp_path: Path) -> None:
     from shared.cli.main import app
 
     out = tmp_path / "agent.jsonl"
-    result = CliRunner().invoke(app, ["trace", "from-trajectories", str(TRAJ_DIR), "--sessions", "6", "--out", str(out)])
+    args = ["trace", "from-trajectories", str(TRAJ_DIR), "--sessions", "6", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     trace = load_trace(out)
@@ -161,3 +164,27 @@ def test_summary_counts_overlapping_sessions() -> None:
     summary = summarize(rows)
     assert (summary["sessions"], summary["unique_blocks"], summary["peak_active_sessions"]) == (2, 4, 2)
     assert summary["span_s"] == 4.0 and summary["tool_call_turn_fraction"] == 0.0
+
+
+def test_recorded_execution_times_drive_the_gaps(tokenizer, tmp_path: Path) -> None:
+    """A hand-made .traj: a retried step missing from the history must not shift the timings."""
+    history = [
+        {"role": "system", "content": "COMMANDS:\nopen:\n  docstring: opens a file\n"},
+        {"role": "user", "content": "Fix the bug."},
+        {"role": "assistant", "content": "Look.\n```\nopen a.py\n```", "action": "open a.py\n"},
+        {"role": "user", "content": "1:print(1)"},
+        {"role": "assistant", "content": "List.\n```\nls\n```", "action": "ls\n"},
+        {"role": "user", "content": "a.py"},
+        {"role": "assistant", "content": "Done.\n```\nsubmit\n```", "action": "submit\n"},
+    ]
+    steps = [{"action": "open a.py\n", "execution_time": 2.5}, {"action": "rm -rf x\n", "execution_time": 9.0},
+             {"action": "ls\n", "execution_time": 0.25}, {"action": "submit\n"}]
+    (tmp_path / "t.traj").write_text(json.dumps({"history": history, "trajectory": steps}))
+    (traj,) = load_trajectories(tmp_path, tokenizer)
+    assert [t.tools for t in traj.turns] == [("open",), ("bash",), ()]
+    assert [t.tool_s for t in traj.turns] == [2.5, 0.25, None]
+    timing = Timing(output_tokens_per_s=100.0, follow_up=0.0)
+    rows = build_trace([traj], SessionsConfig(sessions=1, timing=timing))
+    gaps = [b.time_s - a.time_s for a, b in zip(rows, rows[1:])]
+    expected = [t.output_tokens / 100.0 + t.tool_s for t in traj.turns[:2]]
+    assert gaps == pytest.approx(expected)
