@@ -73,6 +73,11 @@ class Trajectory:
         return sum(len(p) for p in self.pieces)
 
 
+def declared_commands(system_prompt: str) -> frozenset[str]:
+    """The commands a SWE-agent system prompt documents (``name:`` followed by a docstring)."""
+    return frozenset(_DECLARED_COMMAND.findall(system_prompt))
+
+
 def tool_names(message: dict, declared: frozenset[str]) -> tuple[str, ...]:
     """The tools an assistant message calls.
 
@@ -137,7 +142,7 @@ def load_trajectory(path: Path, tokenizer: ChatTokenizer) -> Trajectory:
     if not assistants:
         raise ValueError(f"{path.name}: no assistant message in its history")
     system = 1 if history[0].get("role") == "system" else 0
-    declared = frozenset(_DECLARED_COMMAND.findall(history[0]["content"])) if system else frozenset()
+    declared = declared_commands(history[0]["content"]) if system else frozenset()
     pieces, generation = _pieces(history, tokenizer)
     recorded = _recorded_tool_times([str(history[i].get("action") or "") for i in assistants],
                                     data.get("trajectory") or [])
