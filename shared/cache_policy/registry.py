@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shared.cache_policy.base import EvictionPolicy, LRUPolicy
+from shared.cache_policy.continuum import ContinuumPolicy
 from shared.cache_policy.cost import CostPolicy
 from shared.cache_policy.lfu import LFUPolicy
+from shared.cache_policy.session import SessionPolicy
 from shared.cache_policy.tinylfu import TinyLFUPolicy
 
 DEFAULT_POLICY = "cost"
@@ -16,6 +18,8 @@ _FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "tinylfu": TinyLFUPolicy,
+    "session": SessionPolicy,  # needs turn events: its caller feeds policy.book (see session.py)
+    "continuum": ContinuumPolicy,
 }
 
 POLICIES: tuple[str, ...] = tuple(_FACTORIES)

@@ -1,17 +1,18 @@
 """Run several policies (and the two references) over one trace at one or many capacities.
 
-Names: the online policies of ``shared.cache_policy.registry`` (``cost`` is
-reported as ``default``), plus ``belady`` (offline farthest-next-use bound)
-and ``infinite`` (a cache that never evicts).
+Names: the online policies of ``shared.cache_policy.registry`` (the default
+one is reported as ``default``), plus ``belady`` (offline farthest-next-use
+bound, run over both tiers) and ``infinite`` (a cache that never evicts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from shared.cache_policy.registry import DEFAULT_POLICY, POLICIES, get_policy
 from shared.sim.belady import BeladyPolicy
-from shared.sim.replay import Progress, infinite_hit_rate, replay
+from shared.sim.replay import Progress, ReplayOptions, ReplayResult, infinite_hit_rate, replay
 from shared.sim.trace import Trace
 
 REFERENCES = ("belady", "infinite")
@@ -44,17 +45,22 @@ def capacity_for(trace: Trace, fraction: float) -> int:
     return max(1, round(fraction * trace.unique_blocks))
 
 
-def hit_rate(trace: Trace, name: str, capacity: int, progress: Progress | None = None) -> float:
-    """Prefix-hit blocks / input blocks of one named policy at one capacity."""
+def run_one(trace: Trace, name: str, capacity: int, options: ReplayOptions | None = None) -> ReplayResult:
+    """Replay one named policy (or reference) at L1 ``capacity`` (L2 and TTFT per ``options``)."""
+    opts = options or ReplayOptions()
     if name == "infinite":
-        if progress is not None:
-            progress(len(trace.requests))
-        return infinite_hit_rate(trace).hit_rate
+        if opts.progress is not None:
+            opts.progress(len(trace.requests))
+        return infinite_hit_rate(trace)
     if name == "belady":
         oracle = BeladyPolicy(trace)
-        return replay(trace, oracle, capacity, progress, on_request=oracle.at_request).hit_rate
-    policy = get_policy(DEFAULT_POLICY if name == "default" else name)
-    return replay(trace, policy, capacity, progress).hit_rate
+        return replay(trace, oracle, capacity, on_request=oracle.at_request, options=opts)
+    return replay(trace, get_policy(DEFAULT_POLICY if name == "default" else name), capacity, options=opts)
+
+
+def hit_rate(trace: Trace, name: str, capacity: int, progress: Progress | None = None) -> float:
+    """Prefix-hit blocks / input blocks of one named policy at one capacity (L1 only)."""
+    return run_one(trace, name, capacity, ReplayOptions(progress=progress)).hit_rate
 
 
 def run_all(
@@ -66,22 +72,36 @@ def run_all(
     return {name: hit_rate(trace, name, capacity, progress) for name in names}
 
 
+def run_all_tiers(trace: Trace, names: Sequence[str], capacity: int,
+                  options: ReplayOptions | None = None) -> dict[str, ReplayResult]:
+    """Every named policy at L1 ``capacity``, with the L2 and TTFT model of ``options``."""
+    return {name: run_one(trace, name, capacity, options) for name in names}
+
+
 def sweep(
     trace: Trace,
     names: Sequence[str],
     fractions: Sequence[float],
     progress: Progress | None = None,
     on_point: Callable[[str, float], None] | None = None,
+    options: ReplayOptions | None = None,
 ) -> dict[str, list[float]]:
-    """Hit rate per name for each capacity fraction (for the hit-rate-vs-capacity plot)."""
+    """L1 hit rate per name for each L1 capacity fraction (L2 fixed, per ``options``)."""
+    opts = options or ReplayOptions()
+    if progress is not None:
+        opts = replace(opts, progress=progress)
     curves: dict[str, list[float]] = {name: [] for name in names}
     for fraction in fractions:
         capacity = capacity_for(trace, fraction)
         for name in names:
-            curves[name].append(hit_rate(trace, name, capacity, progress))
+            curves[name].append(run_one(trace, name, capacity, opts).l1_hit_rate)
             if on_point is not None:
                 on_point(name, fraction)
     return curves
+
+
+# The L1 curve of agent workloads: from a pool far too small for the sessions in flight to a comfortable one.
+L1_SWEEP_FRACTIONS = (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3)
 
 
 def default_fractions(points: int = 8, low: float = 0.01, high: float = 0.5) -> list[float]:

@@ -107,7 +107,7 @@ def test_cost_lets_a_block_displace_others_from_its_second_request() -> None:
 
 
 def test_registry() -> None:
-    assert set(POLICIES) == {"cost", "lru", "lfu", "tinylfu"}
+    assert set(POLICIES) == {"cost", "lru", "lfu", "tinylfu", "session", "continuum"}
     for name in POLICIES:
         assert get_policy(name).name == name
     assert get_policy("default").name == "cost"

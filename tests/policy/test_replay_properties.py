@@ -82,7 +82,7 @@ def test_infinite_bounds_every_policy(trace: Trace, fraction: float) -> None:
 def test_room_for_everything_reaches_the_ceiling(trace: Trace, extra: int) -> None:
     capacity = trace.unique_blocks + extra
     ceiling = hit_rate(trace, "infinite", capacity)
-    for name in ["default", "lru", "lfu", "belady"]:
+    for name in ["default", "lru", "lfu", "session", "continuum", "belady"]:
         assert hit_rate(trace, name, capacity) == ceiling, name
     # admission refuses first requests, so it can only lose hits
     assert hit_rate(trace, "tinylfu", capacity) <= ceiling

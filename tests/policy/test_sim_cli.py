@@ -12,7 +12,7 @@ from shared.cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
-KEYS = {"default", "lru", "lfu", "tinylfu", "belady", "infinite"}
+KEYS = {"default", "lru", "lfu", "tinylfu", "session", "continuum", "belady", "infinite"}
 
 
 def write_trace(path: Path) -> Path:

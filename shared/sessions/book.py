@@ -1,0 +1,180 @@
+"""The session book: which session each block belongs to, and when that session next needs it.
+
+An eviction policy asks ``next_use(block, last_access)``: the time at which
+the block is expected to be read again, Belady's key estimated online. A
+block belongs to the latest session whose turn sent it. Per session:
+
+- during a turn (started, not ended): the turn's start, i.e. now: in use;
+- after a turn that ended with tools or an answer: ``Outlook.next_use()``
+  from the ``ReturnPredictor``, the time until its return stretched by the
+  odds that it returns at all (expected reads per second a block is kept);
+- while it stays away, re-estimated at its outlook's checkpoints (the gap
+  window's quantiles) as ``Outlook.given_absent(checkpoint)``: an idle
+  session whose gaps are heavy-tailed drifts away, one whose tool has a
+  steady latency draws nearer until it is overdue;
+- a session that said it ended: never (inf).
+
+A block several sessions sent (a shared system prompt) follows its latest
+session, except that it outlives that session's end: an ended session's
+*unshared* blocks go first. An unknown block gets the prior of a first
+answer turn that ended at its last access.
+
+The next use of a session changes only at its turn events and at its
+deadline; the blocks whose key moved are collected for ``take_changed`` so
+a lazy-heap cache can re-key them (``PolicyCache.rekey``). Bounded (blocks,
+sessions: LRU). Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from shared.sessions.events import TurnOutcome
+from shared.sessions.predict import Outlook, ReturnPredictor
+
+
+@dataclass(frozen=True, slots=True)
+class BookConfig:
+    max_blocks: int = 1 << 19
+    max_sessions: int = 1 << 16
+    # collect re-key sets for a lazy-heap cache; off for a caller that ranks afresh each time (the Advisor)
+    track_changes: bool = True
+
+
+@dataclass(slots=True)
+class _Block:
+    session: str  # the latest session that sent it
+    shared: bool  # sent by more than one session
+
+
+@dataclass(slots=True)
+class _Session:
+    blocks: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
+    next_use: float | None = None  # None: nothing known (use the prior)
+    version: int = 0  # bumped by every turn event: stale checkpoints are ignored
+
+
+class SessionBook:
+    """Blocks -> sessions -> expected next use; fed by turn events, read by policies."""
+
+    def __init__(self, predictor: ReturnPredictor | None = None, config: BookConfig | None = None) -> None:
+        self.predictor = predictor if predictor is not None else ReturnPredictor()
+        self.config = config or BookConfig()
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._checkpoints: list[tuple[float, int, str, int]] = []
+        self._changed: set[bytes] = set()
+        self._seq = 0
+
+    # -- turn events ----------------------------------------------------------
+
+    def turn_started(self, session_id: str, hashes: Sequence[bytes], at: float) -> float | None:
+        """A turn of ``session_id`` that sends ``hashes`` arrived; returns the prediction error (s) or None."""
+        self.advance(at)
+        error = self.predictor.turn_started(session_id, at)
+        s = self._session(session_id)
+        self.bind(session_id, hashes, at)
+        self._set(s, at)
+        return error
+
+    def turn_ended(self, session_id: str, at: float, outcome: TurnOutcome, tools: Sequence[str] = (),
+                   hint_s: float | None = None, hashes: Sequence[bytes] = ()) -> None:
+        """The turn ended (``hashes``: blocks it produced, if the caller knows them beyond the prompt)."""
+        self.advance(at)
+        self.predictor.turn_ended(session_id, at, outcome, tools, hint_s)
+        s = self._session(session_id)
+        if hashes:
+            self.bind(session_id, hashes, at)
+        o = self.predictor.outlook(session_id)
+        if o is None or o.outcome is TurnOutcome.ENDED:
+            self._set(s, math.inf)
+            return
+        self._set(s, o.next_use())
+        for t in o.checkpoints():
+            self._seq += 1
+            heapq.heappush(self._checkpoints, (t, self._seq, session_id, s.version))
+
+    def bind(self, session_id: str, hashes: Iterable[bytes], at: float) -> None:
+        """``session_id`` sent ``hashes`` at ``at``: they are its blocks now."""
+        s = self._session(session_id)
+        for h in hashes:
+            b = self._blocks.get(h)
+            if b is None:
+                b = self._blocks[h] = _Block(session_id, False)
+                if len(self._blocks) > self.config.max_blocks:
+                    old_h, old = self._blocks.popitem(last=False)
+                    owner = self._sessions.get(old.session)
+                    if owner is not None:
+                        owner.blocks.pop(old_h, None)
+            else:
+                self._blocks.move_to_end(h)
+                if b.session != session_id:
+                    b.shared = True
+                    owner = self._sessions.get(b.session)
+                    if owner is not None:
+                        owner.blocks.pop(h, None)
+                    b.session = session_id
+            s.blocks[h] = None
+
+    def advance(self, now: float) -> None:
+        """Re-estimate the sessions still away at the checkpoints that passed by ``now``."""
+        self.predictor.advance(now)
+        while self._checkpoints and self._checkpoints[0][0] <= now:
+            t, _, session_id, version = heapq.heappop(self._checkpoints)
+            s = self._sessions.get(session_id)
+            o = self.predictor.outlook(session_id)
+            if s is None or s.version != version or o is None:
+                continue  # a newer turn event superseded it
+            self._set(s, o.given_absent(t).next_use(), bump=False)
+
+    # -- what policies read ---------------------------------------------------
+
+    def next_use(self, block_hash: bytes, last_access: float) -> float:
+        """Expected time of the block's next read (inf: not expected again)."""
+        b = self._blocks.get(block_hash)
+        s = self._sessions.get(b.session) if b is not None else None
+        t = s.next_use if s is not None else None
+        if t is None or (t == math.inf and b is not None and b.shared):
+            t = self.predictor.prior(last_access).next_use()  # unknown, or another session may want it
+        return t
+
+    def take_changed(self) -> set[bytes]:
+        """Blocks whose next use moved since the last call (to re-key), and forget them."""
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def session_of(self, block_hash: bytes) -> str | None:
+        b = self._blocks.get(block_hash)
+        return None if b is None else b.session
+
+    def blocks_of(self, session_id: str) -> list[bytes]:
+        s = self._sessions.get(session_id)
+        return [] if s is None else list(s.blocks)
+
+    def outlook(self, session_id: str) -> Outlook | None:
+        return self.predictor.outlook(session_id)
+
+    # -- internals ------------------------------------------------------------
+
+    def _session(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session()
+            if len(self._sessions) > self.config.max_sessions:
+                self._sessions.popitem(last=False)
+        else:
+            self._sessions.move_to_end(session_id)
+        return s
+
+    def _set(self, s: _Session, next_use: float, bump: bool = True) -> None:
+        if bump:
+            s.version += 1
+        if s.next_use != next_use:
+            s.next_use = next_use
+            if self.config.track_changes:
+                self._changed.update(s.blocks)
+

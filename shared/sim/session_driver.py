@@ -1,0 +1,67 @@
+"""Drives a session-aware policy from a trace, in the order the live service sees turn events.
+
+Per request: its session (the trace's ``session_id``, else inferred from the
+chain) starts a turn at arrival (``turn_started``: the predictor learns the
+gap); the cache serves it; the turn ends at arrival with what the trace says
+the answer did (``tool_calls``: names -> TOOL_CALLS, ``[]`` -> ANSWER, no
+field -> ANSWER, the server knowing nothing more); the blocks whose next use
+moved are re-keyed; the policy's pin, if any, is granted within the pool's
+``PinBudget`` to the leading blocks of the request's chain that L1 holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.cache_policy.pin_budget import PinBudget
+from shared.cache_policy.session import SessionAware
+from shared.sessions.events import TurnOutcome
+from shared.sessions.inference import SessionInference
+from shared.sim.tiers import TieredCache
+from shared.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
+
+@dataclass(slots=True)
+class SessionDriver:
+    policy: SessionAware
+    cache: TieredCache
+    inference: SessionInference = field(default_factory=SessionInference)
+    budget: PinBudget = field(init=False)
+    errors: list[float] = field(default_factory=list)  # signed return-time prediction errors (s)
+    pinned_max: int = 0  # the most blocks pinned at once (after a grant)
+
+    def __post_init__(self) -> None:
+        self.budget = PinBudget.for_pool(self.cache.l1.capacity, self.policy.pin_fraction)
+
+    def session_of(self, request: TraceRequest) -> str:
+        full = request.blocks[: request.input_length // TRACE_BLOCK_TOKENS]
+        if request.session_id is not None:
+            if full:
+                self.inference.record(full[-1], request.session_id)
+            return request.session_id
+        return self.inference.assign(full)[0]
+
+    def started(self, request: TraceRequest) -> str:
+        """Before the cache serves ``request``: its turn starts. Returns its session."""
+        session = self.session_of(request)
+        error = self.policy.book.turn_started(session, request.blocks, request.time_s)
+        if error is not None:
+            self.errors.append(error)
+        self.cache.rekey(self.policy.book.take_changed(), request.time_s)
+        return session
+
+    def ended(self, request: TraceRequest, session: str) -> None:
+        """After: its turn ends with what the answer did; re-key, then pin within the budget."""
+        now = request.time_s
+        tools = request.tool_calls or ()
+        outcome = TurnOutcome.TOOL_CALLS if tools else TurnOutcome.ANSWER
+        self.policy.book.turn_ended(session, now, outcome, tools)
+        self.cache.rekey(self.policy.book.take_changed(), now)
+        until = self.policy.pin_after_turn(session, now)
+        if until is None:
+            return
+        l1 = self.cache.l1
+        held = list(request.blocks[: l1.match_prefix(request.blocks)])
+        for h in self.budget.grant(held, until, now):
+            l1.pin(h, until)
+        self.pinned_max = max(self.pinned_max, self.budget.used(now))
