@@ -10,9 +10,9 @@ Dialect modules (OpenAI, Anthropic) call these; the state lives on
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -24,6 +24,10 @@ from shared.ingress.gateway import Gateway
 from shared.ingress.limits import RateLimiter
 from shared.ingress.metrics import IngressMetrics
 from shared.ingress.prompt import PromptBuilder
+from shared.sessions.identity import HDR_SESSION, SessionInputError, check_id, scoped_session_id
+
+if TYPE_CHECKING:
+    from shared.ingress.sessions import SessionTracker
 
 # Named caches (third part) plug in here: (principal, cache_id) -> the cached context to prepend.
 CacheLookup = Callable[[Principal, str], Awaitable["CachedContext"]]
@@ -49,6 +53,7 @@ class IngressState:
     metrics: IngressMetrics
     model_id: str
     context_len: int
+    sessions: SessionTracker  # session identity, inference and turn events (shared/ingress/sessions.py)
     cache_lookup: CacheLookup | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other parts' per-process objects, by name
 
@@ -59,7 +64,8 @@ class Admitted:
     principal: Principal
     body: dict[str, Any]
     request_id: str
-    session_id: str | None
+    session_id: str | None  # the `x-session-id` header's session, scoped to the tenant (routes without turns)
+    headers: Mapping[str, str] = field(default_factory=dict)  # case-insensitive on a real request
 
 
 def state_of(request: Request) -> IngressState:
@@ -92,7 +98,13 @@ async def admit(request: Request) -> Admitted:
     principal = state.keyring.authenticate(request)
     state.limiter.check(principal.key_id)
     body = await read_json(request, state.settings.max_body_bytes)
-    return Admitted(state, principal, body, request.state.request_id, request.state.session_id)
+    header = request.headers.get(HDR_SESSION)
+    try:
+        given = check_id(header, HDR_SESSION) if header and header.strip() else None
+        session_id = scoped_session_id(principal.tenant, given) if given else None
+    except SessionInputError as exc:
+        raise invalid(exc.message, param=exc.param) from None
+    return Admitted(state, principal, body, request.state.request_id, session_id, request.headers)
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -28,9 +28,11 @@ from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
 from shared.ingress.openai_api import _account  # one place logs and counts a finished request
 from shared.ingress.prompt import PromptBuilder
+from shared.ingress.sessions import SessionInputs, Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
 from shared.log import get_logger
 from shared.protocol.serving import SamplingSpec, TokenEvent
+from shared.sessions.outcome import tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()
@@ -46,8 +48,9 @@ async def named_prefix(adm: Admitted, cache_id: str | None) -> Conversation | No
     return Conversation(list(cached.messages), list(cached.tools) if cached.tools else None)
 
 
-def _prompt(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[list[int], list[Placed]]:
-    """Prompt ids and placed breakpoints; 400 for a bad conversation or breakpoints."""
+def _prompt(adm: Admitted, body: MessagesRequest, prefix: Conversation | None
+            ) -> tuple[list[int], list[Placed], Conversation]:
+    """Prompt ids, placed breakpoints and the flat conversation; 400 for a bad conversation or breakpoints."""
     prompts, tenant = adm.state.prompts, adm.principal.tenant
     try:
         conv, breakpoints = body.conversation(prefix)
@@ -60,20 +63,22 @@ def _prompt(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -
         placed = place(prompts, tenant, conv, rendered, ids, breakpoints)
     except ChatTemplateError as exc:
         raise invalid(f"messages: {exc}", param="messages") from None
-    return ids, placed
+    return ids, placed, conv
 
 
-def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None) -> tuple[GenerationRequest, list[Placed]]:
-    ids, placed = _prompt(adm, body, prefix)
+def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None, given: SessionInputs
+           ) -> tuple[GenerationRequest, list[Placed], Turn]:
+    ids, placed, conv = _prompt(adm, body, prefix)
     tenant = adm.principal.tenant
     limit = budget(adm.state, len(ids), body.max_tokens)
     sampling = SamplingSpec(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             stop=body.stops())
-    user = body.metadata.user_id if body.metadata else None
+    turn = adm.state.sessions.begin(adm, given, ids, tool_evidence(conv.messages, conv.tools))
+    hashes = turn.prompt_hashes if adm.state.sessions.hasher.named else None
     req = GenerationRequest(request_id=adm.request_id, tenant=tenant, tenant_salt=adm.principal.salt,
-                            prompt_ids=ids, sampling=sampling, session_id=adm.session_id,
-                            affinity_key=adm.session_id or user, pins=pins(placed))
-    return req, placed
+                            prompt_ids=ids, sampling=sampling, session_id=turn.session_id,
+                            affinity_key=turn.session_id, pins=pins(placed), block_hashes=hashes)
+    return req, placed, turn
 
 
 def render_prompt(prompts: PromptBuilder, conv: Conversation) -> str:
@@ -118,7 +123,7 @@ async def count_tokens(request: Request) -> Any:
     adm = await admit(request)
     body = parse(CountTokensRequest, adm.body)
     check_model(adm.state, body.model)
-    ids, _ = _prompt(adm, body, await named_prefix(adm, body.cache_id))
+    ids, _, _ = _prompt(adm, body, await named_prefix(adm, body.cache_id))
     return {"input_tokens": len(ids)}
 
 
@@ -127,29 +132,33 @@ async def messages(request: Request) -> Any:
     adm = await admit(request)
     body = parse(MessagesRequest, adm.body)
     check_model(adm.state, body.model)
-    req, placed = _build(adm, body, await named_prefix(adm, body.cache_id))
+    given = inputs(adm, Dialect.ANTHROPIC)
+    req, placed, turn = _build(adm, body, await named_prefix(adm, body.cache_id), given)
     started = time.monotonic()
     if not body.stream:
         done = await adm.state.gateway.complete(req)
         adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
         usage = done.usage
         _account(adm, usage, len(done.token_ids))
-        adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
+        answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
         full = adm.state.prompts.tokenizer.decode(done.token_ids)
         reason = stop_reason(done.finish_reason, done.text, full, body.stops())
+        adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.finished_by)
         cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
-        return JSONResponse(_message(req, body.model, done.text, reason, cu), headers=route_header(usage))
+        return JSONResponse(_message(req, body.model, done.text, reason, cu),
+                            headers={**route_header(usage), **turn.header()})
 
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
-    return StreamingResponse(_events(adm, req, body, placed, usage, first, events),
-                             media_type="text/event-stream", headers={**SSE_HEADERS, **route_header(usage)})
+    return StreamingResponse(_events(adm, req, body, placed, turn, usage, first, events),
+                             media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **route_header(usage), **turn.header()})
 
 
-async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, placed: list[Placed], usage: Usage,
-                  first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
+async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, placed: list[Placed], turn: Turn,
+                  usage: Usage, first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
     ids: list[int] = []
     text: list[str] = []
     try:
@@ -176,7 +185,8 @@ async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, 
                    "usage": {"output_tokens": len(ids)}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
         _account(adm, usage, len(ids))
-        adm.state.prompts.remember_answer(req.tenant, joined, ids)
+        answer = adm.state.prompts.remember_answer(req.tenant, joined, ids)
+        adm.state.sessions.finish(turn, ids, answer, reason[0], usage.finished_by)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.ANTHROPIC), "error")

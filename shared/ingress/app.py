@@ -6,7 +6,8 @@ named-cache routes (`anthropic_api.router`, `named_caches.router`). A router
 reads the shared `IngressState` from `request.app.state.ingress` and raises
 `ApiError`; the handlers here render it in the route's dialect. Every
 response (errors included) carries `x-request-id` on OpenAI routes and
-`request-id` on Anthropic ones; `x-session-id` is accepted and bound to logs.
+`request-id` on Anthropic ones. A well-formed `x-session-id` is bound to logs at once; a generation route
+rebinds the session it resolves (shared/ingress/sessions.py).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from shared.ingress.admission import IngressState
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, dialect_of
 from shared.ingress.gateway import GatewayError
 from shared.log import bind_request, get_logger
+from shared.sessions.identity import MAX_ID_CHARS
 
 log = get_logger(__name__)
 
 # Routers of other parts, mounted if their module is present: (module, attribute).
-_OPTIONAL_ROUTERS = (("shared.ingress.anthropic_api", "router"), ("shared.ingress.named_caches", "router"))
+_OPTIONAL_ROUTERS = (("shared.ingress.anthropic_api", "router"), ("shared.ingress.named_caches", "router"),
+                     ("shared.ingress.session_api", "router"))
 
 
 class RequestIdMiddleware:
@@ -55,10 +58,9 @@ class RequestIdMiddleware:
             return
         request_id = "req_" + uuid.uuid4().hex
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        session_id = _session_id(headers.get("x-session-id", ""))
+        client_session = _session_id(headers.get("x-session-id", ""))
         scope.setdefault("state", {})
         scope["state"]["request_id"] = request_id
-        scope["state"]["session_id"] = session_id
         header = b"request-id" if dialect_of(scope.get("path", "")) is Dialect.ANTHROPIC else b"x-request-id"
 
         async def stamped(message: Message) -> None:
@@ -68,14 +70,14 @@ class RequestIdMiddleware:
                 message["headers"] = [*message["headers"], (header, request_id.encode())]
             await send(message)
 
-        with bind_request(request_id, session_id):
+        with bind_request(request_id, client_session):
             await self.app(scope, receive, stamped)
 
 
 def _session_id(raw: str) -> str | None:
-    """The client's session id if it is a short printable token (it is logged and travels as a NATS header)."""
+    """The client's session id for early logs, if well formed (the route rejects a malformed one)."""
     raw = raw.strip()
-    return raw if 0 < len(raw) <= 128 and raw.isprintable() else None
+    return raw if 0 < len(raw) <= MAX_ID_CHARS and raw.isprintable() else None
 
 
 def error_response(exc: ApiError, path: str) -> JSONResponse:

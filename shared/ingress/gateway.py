@@ -40,6 +40,7 @@ class GenerationRequest:
     affinity_key: str | None = None  # prompt_cache_key, else session id: routes to the same workers
     pins: list[CachePin] = field(default_factory=list)
     prefill_only: bool = False  # named-cache creation: store the prompt's blocks, generate nothing
+    block_hashes: list[bytes] | None = None  # the prompt's full blocks as the workers hash them, if known
 
 
 @dataclass(slots=True)
@@ -54,10 +55,13 @@ class Usage:
     decode_worker: str = ""
     attempts: int = 1
     first_token_at: float = 0.0  # time.monotonic() when the first token arrived
+    finished_by: str = ""  # the worker that sent the final event: its L1 holds the turn's chain
 
     def take(self, event: TokenEvent) -> None:
         if not self.first_token_at:
             self.first_token_at = time.monotonic()
+        if event.finished:
+            self.finished_by = event.worker_id
         if event.prompt_tokens and not self.prompt_tokens:
             self.prompt_tokens = event.prompt_tokens
             self.cached_tokens = event.cached_tokens

@@ -18,6 +18,10 @@ class IngressMetrics:
     completion_tokens: Counter
     retries: Counter
     in_flight: Gauge
+    sessions: Counter  # requests by where their session came from (identity.Source); never by session id
+    session_events: Counter  # published, by outcome
+    session_event_failures: Counter  # session events that could not be published (the request still succeeds)
+    outcome_checks: Counter  # a turn's published outcome against what the next request showed it was
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> IngressMetrics:
@@ -32,4 +36,14 @@ class IngressMetrics:
             completion_tokens=Counter("kvmesh_ingress_completion_tokens", "Tokens generated.", registry=registry),
             retries=Counter("kvmesh_ingress_retries", "Prefill retries and decode migrations.", registry=registry),
             in_flight=Gauge("kvmesh_ingress_in_flight", "Requests being generated now.", registry=registry),
+            sessions=Counter("kvmesh_ingress_sessions", "Requests by the source of their session: an explicit "
+                             "field, inferred from the chain, or new.", ("source",), registry=registry),
+            session_events=Counter("kvmesh_ingress_session_events", "Session events published, by outcome.",
+                                   ("outcome",), registry=registry),
+            session_event_failures=Counter("kvmesh_ingress_session_event_failures", "Session events not "
+                                           "published (bus unavailable); the request was served.",
+                                           registry=registry),
+            outcome_checks=Counter("kvmesh_ingress_session_outcome_checks", "Turns whose next request arrived: "
+                                   "the outcome published for the turn against the one the next request showed.",
+                                   ("published", "actual"), registry=registry),
         )

@@ -23,9 +23,11 @@ from shared.ingress.admission import Admitted, admit, budget, check_model, parse
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
 from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from shared.ingress.sessions import Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
 from shared.log import get_logger
 from shared.protocol.serving import SamplingSpec, TokenEvent
+from shared.sessions.outcome import ToolEvidence, tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()
@@ -45,6 +47,7 @@ async def chat_completions(request: Request) -> Any:
     adm = await admit(request)
     body = parse(ChatCompletionRequest, adm.body)
     check_model(adm.state, body.model)
+    given = inputs(adm, Dialect.OPENAI)
     messages = [m.flat() for m in body.messages]
     tools = body.tools
     if body.cache_id is not None:
@@ -57,8 +60,9 @@ async def chat_completions(request: Request) -> Any:
         prompt_ids = adm.state.prompts.chat(adm.principal.tenant, messages, tools)
     except ChatTemplateError as exc:
         raise invalid(f"messages: {exc}", param="messages") from None
-    req = _generation(adm, body, prompt_ids, body.token_limit())
-    return await _respond(adm, req, body, chat=True)
+    turn = adm.state.sessions.begin(adm, given, prompt_ids, tool_evidence(messages, tools))
+    req = _generation(adm, body, turn, body.token_limit())
+    return await _respond(adm, req, body, turn, chat=True)
 
 
 @router.post("/v1/completions")
@@ -66,12 +70,15 @@ async def completions(request: Request) -> Any:
     adm = await admit(request)
     body = parse(CompletionRequest, adm.body)
     check_model(adm.state, body.model)
+    given = inputs(adm, Dialect.OPENAI)
     prompt_ids = adm.state.prompts.encode(body.text())
-    req = _generation(adm, body, prompt_ids, body.max_tokens)
-    return await _respond(adm, req, body, chat=False)
+    turn = adm.state.sessions.begin(adm, given, prompt_ids, ToolEvidence())
+    req = _generation(adm, body, turn, body.max_tokens)
+    return await _respond(adm, req, body, turn, chat=False)
 
 
-def _generation(adm: Admitted, body: _Common, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+def _generation(adm: Admitted, body: _Common, turn: Turn, max_tokens: int | None) -> GenerationRequest:
+    prompt_ids = turn.prompt_ids
     limit = budget(adm.state, len(prompt_ids), max_tokens)
     sampling = SamplingSpec(max_tokens=limit, temperature=float(body.temperature), top_p=float(body.top_p),
                             seed=body.seed, stop=body.stop_list())
@@ -79,8 +86,9 @@ def _generation(adm: Admitted, body: _Common, prompt_ids: list[int], max_tokens:
         log.info("request identity", user=body.user, safety_identifier=body.safety_identifier)
     return GenerationRequest(
         request_id=adm.request_id, tenant=adm.principal.tenant, tenant_salt=adm.principal.salt,
-        prompt_ids=prompt_ids, sampling=sampling, session_id=adm.session_id,
-        affinity_key=body.prompt_cache_key or adm.session_id,
+        prompt_ids=prompt_ids, sampling=sampling, session_id=turn.session_id,
+        affinity_key=body.prompt_cache_key or turn.session_id,
+        block_hashes=turn.prompt_hashes if adm.state.sessions.hasher.named else None,
     )
 
 
@@ -117,7 +125,7 @@ def _account(adm: Admitted, usage: Usage, completion_tokens: int) -> None:
     m.completion_tokens.inc(completion_tokens)
 
 
-async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: bool) -> Any:
+async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: Turn, chat: bool) -> Any:
     route = "chat" if chat else "completions"
     started = time.monotonic()
     if not body.stream:
@@ -125,29 +133,33 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, chat: b
         usage = done.usage
         adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
         _account(adm, usage, len(done.token_ids))
+        answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids) if chat else None
+        adm.state.sessions.finish(turn, done.token_ids, answer, done.finish_reason, usage.finished_by)
         if chat:
-            adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None},
                       "logprobs": None, "finish_reason": _FINISH.get(done.finish_reason, done.finish_reason)}
         else:
             choice = _choice(False, done.text, done.finish_reason)
         return JSONResponse({**_envelope(req, body.model, chat, False), "choices": [choice],
-                             "usage": _usage(usage, len(done.token_ids))}, headers=route_header(done.usage))
+                             "usage": _usage(usage, len(done.token_ids))},
+                            headers={**route_header(done.usage), **turn.header()})
 
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
-    return StreamingResponse(_chunks(adm, req, body, chat, usage, first, events),
-                             media_type="text/event-stream", headers={**SSE_HEADERS, **route_header(usage)})
+    return StreamingResponse(_chunks(adm, req, body, turn, chat, usage, first, events),
+                             media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **route_header(usage), **turn.header()})
 
 
-async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, chat: bool, usage: Usage,
+async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Turn, chat: bool, usage: Usage,
                   first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
     env = _envelope(req, body.model, chat, True)
     tail = {"usage": None} if body.include_usage else {}
     ids: list[int] = []
     text: list[str] = []
+    finish: str | None = None
     try:
         if chat:
             yield sse({**env, "choices": [_choice(True, None, None, first=True)], **tail})
@@ -158,15 +170,16 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, chat: bo
             if event.text:
                 yield sse({**env, "choices": [_choice(chat, event.text, None)], **tail})
             if event.finished:
-                yield sse({**env, "choices": [_choice(chat, None, event.finish_reason or "stop")], **tail})
+                finish = event.finish_reason or "stop"
+                yield sse({**env, "choices": [_choice(chat, None, finish)], **tail})
                 break
             event = await events.__anext__()
         if body.include_usage:
             yield sse({**env, "choices": [], "usage": _usage(usage, len(ids))})
         yield sse("[DONE]")
         _account(adm, usage, len(ids))
-        if chat:
-            adm.state.prompts.remember_answer(req.tenant, "".join(text), ids)
+        answer = adm.state.prompts.remember_answer(req.tenant, "".join(text), ids) if chat else None
+        adm.state.sessions.finish(turn, ids, answer, finish, usage.finished_by)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.OPENAI))

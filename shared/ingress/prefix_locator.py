@@ -58,8 +58,11 @@ class PrefixLocator:
         keys = HashKeys(self.fingerprint, bytes.fromhex(tenant_salt_hex))
         return list(hash_blocks(prompt_ids, self.block_size, keys))
 
-    async def lookup(self, prompt_ids: list[int], tenant_salt_hex: str) -> LookupReply | None:
-        hashes = self.hashes(prompt_ids, tenant_salt_hex)
+    async def lookup(self, prompt_ids: list[int], tenant_salt_hex: str,
+                     hashes: list[bytes] | None = None) -> LookupReply | None:
+        """Who holds the prompt's prefix; `hashes`: its block hashes if already computed (by `hashes`)."""
+        if hashes is None:
+            hashes = self.hashes(prompt_ids, tenant_salt_hex)
         if not hashes:
             return LookupReply(workers=[], l3_blocks=0, indexed_blocks=0, ready=True)  # nothing to find
         reply = await lookup_prefix(self.nc, hashes, self.timeout_s)

@@ -108,8 +108,8 @@ class PromptBuilder:
             n += 1
         return n  # ids[:n] == head[:n], and head decodes to a prefix of rendered[:end]
 
-    def remember_answer(self, tenant: str, text: str, token_ids: Sequence[int]) -> None:
-        """Record a generated answer so the next turn's prompt reuses its exact ids.
+    def remember_answer(self, tenant: str, text: str, token_ids: Sequence[int]) -> list[int] | None:
+        """Record a generated answer so the next turn's prompt reuses its exact ids; returns those ids.
 
         Trailing end-of-turn ids are dropped (the template writes them after the content). A stop
         string leaves its tokens in the ids but not in the text, so the longest prefix of the ids
@@ -121,4 +121,5 @@ class PromptBuilder:
         for end in range(len(ids), max(0, len(ids) - _STOP_TAIL) - 1, -1):
             if end and self.tokenizer.decode(ids[:end]) == text:
                 self.memory.remember(tenant, text, ids[:end])
-                return
+                return ids[:end]
+        return None

@@ -29,6 +29,8 @@ from shared.ingress.metrics import IngressMetrics
 from shared.ingress.prefix_locator import PrefixLocator, model_fingerprint
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.router import WorkerTable
+from shared.ingress.session_table import SessionTable
+from shared.ingress.sessions import ChainHasher, SessionTracker
 from shared.log import get_logger
 from shared.service.runner import ServiceContext
 
@@ -53,7 +55,13 @@ def model_limits(model_dir: Path) -> tuple[int, list[int]]:
 
 def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metrics: IngressMetrics,
                 model_dir: Path) -> IngressState:
+    """The routes' shared state. Sessions hash chains as the workers do when the locator knows the model's
+    fingerprint; without it they still infer sessions, but their events name no blocks."""
     s = settings.ingress
+    block_size = settings.engine.block_size
+    fingerprint = gateway.locator.fingerprint if gateway.locator is not None else None
+    sessions = SessionTracker(SessionTable(block_size), ChainHasher(block_size, fingerprint), metrics,
+                              gateway.publisher)
     keyring = KeyRing.from_settings(settings.api_keys, s.keys_file, settings.state_dir)
     context_len, eos_ids = model_limits(model_dir)
     if not len(keyring):
@@ -61,7 +69,7 @@ def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metr
     return IngressState(
         settings=s, keyring=keyring, limiter=RateLimiter(s.rate_limit_per_s, s.rate_limit_burst),
         prompts=PromptBuilder(tokenizer, s.assistant_memory, eos_ids), gateway=gateway, metrics=metrics,
-        model_id=s.model_id or model_dir.name, context_len=context_len,
+        model_id=s.model_id or model_dir.name, context_len=context_len, sessions=sessions,
     )
 
 
@@ -109,6 +117,7 @@ async def setup(ctx: ServiceContext) -> None:
     async def stop() -> None:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
+        await state.sessions.drain(settings.service.drain_timeout_s)  # the last turns' events
         watch.cancel()
 
     ctx.on_stop.append(stop)

@@ -204,7 +204,7 @@ class RequestRun:
         if self.gw.locator is None or self.gw.router.mode != "cost":
             return self._choose(Role.PREFILL, exclude), None
         req, block_size = self.req, self.gw.locator.block_size
-        reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt)
+        reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt, req.block_hashes)
         router = self.gw.router
         worker = router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
         worker = worker or self._choose(Role.PREFILL, exclude)

@@ -39,11 +39,12 @@ class _Pending:
     parent: str | None = None
     tokens_per_block: int = 0
     sealed: bool = False  # taken into a batch, or covered by a state dump: nothing joins it any more
+    session_id: str | None = None  # stored runs only: the session whose job stored them
 
     def build(self, epoch: int) -> KVEvent:
         if self.kind == "stored" and self.tier is not None:
             return BlockStored(seq=self.seq, hashes=self.hashes, parent=self.parent,
-                               tokens_per_block=self.tokens_per_block, tier=self.tier)
+                               tokens_per_block=self.tokens_per_block, tier=self.tier, session_id=self.session_id)
         if self.kind == "removed" and self.tier is not None:
             return BlockRemoved(seq=self.seq, hashes=self.hashes, tier=self.tier)
         if self.kind == "moved" and self.tier is not None and self.src is not None:
@@ -88,11 +89,12 @@ class EventLog:
     # --- tier changes --------------------------------------------------
 
     def stored(self, hashes: Iterable[bytes], tier: Tier, parent: bytes | None = None,
-               tokens_per_block: int = 1) -> None:
-        """`hashes` (a chain run, in order, after `parent`) are now in `tier`."""
+               tokens_per_block: int = 1, session_id: str | None = None) -> None:
+        """`hashes` (a chain run, in order, after `parent`) are now in `tier`, stored for `session_id` if known."""
         hx = [h.hex() for h in hashes]
         if hx:
-            self._record("stored", hx, tier, parent=parent.hex() if parent else None, tpb=tokens_per_block)
+            self._record("stored", hx, tier, parent=parent.hex() if parent else None, tpb=tokens_per_block,
+                         session_id=session_id)
 
     def removed(self, hashes: Iterable[bytes], tier: Tier) -> None:
         hx = [h.hex() for h in hashes]
@@ -147,28 +149,30 @@ class EventLog:
     # --- internals -----------------------------------------------------
 
     def _record(self, kind: str, hx: list[str], tier: Tier | None, src: Tier | None = None,
-                parent: str | None = None, tpb: int = 0) -> None:
+                parent: str | None = None, tpb: int = 0, session_id: str | None = None) -> None:
         cap = self.max_batch_hashes
         with self._lock:
             was_empty = not self._pending
             self._mirror(kind, hx, tier, src)
             for i in range(0, max(1, len(hx)), cap):  # a huge run becomes several events
-                self._append(kind, hx[i : i + cap], tier, src, parent if i == 0 else hx[i - 1], tpb)
+                self._append(kind, hx[i : i + cap], tier, src, parent if i == 0 else hx[i - 1], tpb, session_id)
             self._shed()
         if was_empty:
             self.on_pending()
 
     def _append(self, kind: str, hx: list[str], tier: Tier | None, src: Tier | None,
-                parent: str | None, tpb: int) -> None:
+                parent: str | None, tpb: int, session_id: str | None = None) -> None:
         last = self._pending[-1] if self._pending else None
         if (last is not None and not last.sealed and last.kind == kind and last.tier == tier
                 and last.src == src and len(last.hashes) + len(hx) <= self.max_batch_hashes
                 and (kind in ("removed", "moved")
-                     or (kind == "stored" and last.tokens_per_block == tpb and parent == last.hashes[-1]))):
+                     or (kind == "stored" and last.tokens_per_block == tpb and parent == last.hashes[-1]
+                         and last.session_id == session_id))):
             last.hashes.extend(hx)
         else:
             self._seq += 1
-            self._pending.append(_Pending(kind, self._seq, list(hx), tier, src, parent, tpb))
+            self._pending.append(_Pending(kind, self._seq, list(hx), tier, src, parent, tpb,
+                                          session_id=session_id))
         self._pending_hashes += len(hx)
 
     def _mirror(self, kind: str, hx: list[str], tier: Tier | None, src: Tier | None) -> None:

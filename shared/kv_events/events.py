@@ -28,7 +28,14 @@ INDEXED_TIERS = (Tier.L1, Tier.L2, Tier.L3)
 
 
 class BlockStored(Message):
-    """`hashes` (a chain run, in order; `parent` precedes the first) now held in `tier`."""
+    """`hashes` (a chain run, in order; `parent` precedes the first) now held in `tier`.
+
+    `session_id` is the tenant-scoped session (shared/sessions/identity.py) whose request stored the run,
+    when the worker knew it: set on the runs a worker registers for a job (L2); None for the engine's own
+    L1 stores, which it makes without a request's context, and for L3 uploads."""
+
+    # 2: `session_id` (a new field is a new wire format: strict parsing rejects fields it does not know)
+    SCHEMA_VERSION = 2
 
     kind: Literal["stored"] = "stored"
     seq: int = Field(ge=1)
@@ -36,6 +43,7 @@ class BlockStored(Message):
     parent: HexHash | None = None
     tokens_per_block: int = Field(ge=1)
     tier: Tier
+    session_id: str | None = None
 
 
 class BlockRemoved(Message):

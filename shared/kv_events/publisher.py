@@ -65,8 +65,8 @@ class KVEventPublisher:
         self.log.block_removed(block_hash)
 
     def stored(self, hashes: Iterable[bytes], tier: Tier, parent: bytes | None = None,
-               tokens_per_block: int = 1) -> None:
-        self.log.stored(hashes, tier, parent, tokens_per_block)
+               tokens_per_block: int = 1, session_id: str | None = None) -> None:
+        self.log.stored(hashes, tier, parent, tokens_per_block, session_id)
 
     def removed(self, hashes: Iterable[bytes], tier: Tier) -> None:
         self.log.removed(hashes, tier)

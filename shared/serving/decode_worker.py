@@ -109,7 +109,7 @@ class DecodeWorker:
         if out.finish_reason == "abort":  # a newer attempt took over here, or the client went away
             stream.cancel()
             return
-        produced = await self._register(job.prompt_ids + out.token_ids, salt, job.tenant_salt)
+        produced = await self._register(job.prompt_ids + out.token_ids, salt, job.tenant_salt, job.session_id)
         await stream.finish(out.finish_reason, cache_created_tokens=job.cache_created_tokens)
         log.info("decoded", request_id=job.request_id, attempt=job.attempt, output_tokens=len(out.token_ids),
                  resumed_from=len(job.generated), sources={t.value: n for t, n in sources.items() if n},
@@ -118,10 +118,10 @@ class DecodeWorker:
             case = AuditCase(job.request_id, job.prompt_ids, job.sampling.to_params(), salt, out.token_ids)
             self.audit.consider(case, max(job.cached_tokens, out.cached_tokens))
 
-    async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str) -> int:
+    async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str, session_id: str | None) -> int:
         """Full blocks of prompt + output into L2 (+ L3 queue); how many the chain has there now."""
         hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
-        handles, _ = await store_chain(self.rt.engine, self.rt.tiers, hashes, tenant_salt)
+        handles, _ = await store_chain(self.rt.engine, self.rt.tiers, hashes, tenant_salt, session_id=session_id)
         return len(handles)
 
     def abort(self, request_id: str) -> None:

@@ -24,9 +24,10 @@ WINDOW_BLOCKS = 64
 
 
 async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[bytes], tenant_salt: str,
-                      window_blocks: int = WINDOW_BLOCKS) -> tuple[list[BlockHandle], list]:
-    """`register` the chain `hashes` (position 0 first); returns what the last `register` returned:
-    the handles of the leading run L2 holds, and the encoded chain."""
+                      window_blocks: int = WINDOW_BLOCKS, session_id: str | None = None
+                      ) -> tuple[list[BlockHandle], list]:
+    """`register` the chain `hashes` (position 0 first) for `session_id` (named in its KV events); returns
+    what the last `register` returned: the handles of the leading run L2 holds, and the encoded chain."""
     hashes = list(hashes)
     missing = tiers.missing(hashes)
     at = {h: i for i, h in enumerate(hashes)}
@@ -37,7 +38,7 @@ async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[b
         exported = await asyncio.to_thread(pending.wait)
         if not exported:
             break
-        tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt)
+        tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt, session_id)
         if len(exported) < len(part):
             break
-    return tiers.register(hashes, [], tenant_salt)
+    return tiers.register(hashes, [], tenant_salt, session_id)

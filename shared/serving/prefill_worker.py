@@ -132,7 +132,7 @@ class PrefillWorker:
                 final_sent = True
         t3 = time.perf_counter()
         tiers = self.rt.tiers
-        handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt)
+        handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt, session_id=job.session_id)
         if job.pins:
             await apply_pins(engine, tiers, job.pins, reach.hashes)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),

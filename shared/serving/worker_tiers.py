@@ -116,8 +116,11 @@ class WorkerTiers:
         """The hashes not in this worker's L2: only these need to leave the engine."""
         return [h for h in hashes if h not in self.l2]
 
-    def register(self, hashes: list[bytes], exported: list[KVBlock], tenant_salt: str) -> tuple[list[BlockHandle], list]:
+    def register(self, hashes: list[bytes], exported: list[KVBlock], tenant_salt: str,
+                 session_id: str | None = None) -> tuple[list[BlockHandle], list]:
         """Put the chain `hashes` (position 0 first) into L2 and offer it to the L3 upload queue.
+
+        `session_id` (the job's) is named in the KV events of the blocks L2 newly stores.
 
         `exported` holds the blocks L2 lacked (from the engine). Returns the handles of the leading
         run that L2 holds, and the encoded chain (for a direct L3 write). A block neither in L2 nor
@@ -138,7 +141,7 @@ class WorkerTiers:
                 encoded = encode_kv_block(kb, self.l2.fingerprint)
                 put = self.l2.put_encoded(encoded)
                 handle = put.handle if put.stored else None
-                self._announce(h, kb, put.stored, put.evicted)
+                self._announce(h, kb, put.stored, put.evicted, session_id)
             chain.append(encoded)
             if handle is not None and len(handles) == len(chain) - 1:
                 handles.append(handle)
@@ -157,13 +160,15 @@ class WorkerTiers:
             if len(positions) == self.l3.chunk_blocks:
                 self.l3.note_known(ns, hashes[positions[-1]])
 
-    def _announce(self, block_hash: bytes, kb: KVBlock, stored: bool, evicted: list[bytes]) -> None:
+    def _announce(self, block_hash: bytes, kb: KVBlock, stored: bool, evicted: list[bytes],
+                  session_id: str | None = None) -> None:
         if self.events is None:
             return
         if evicted:
             self.events.removed(evicted, Tier.L2)
         if stored:
-            self.events.stored([block_hash], Tier.L2, parent=kb.parent_hash, tokens_per_block=len(kb.token_ids))
+            self.events.stored([block_hash], Tier.L2, parent=kb.parent_hash, tokens_per_block=len(kb.token_ids),
+                               session_id=session_id)
 
     def pin(self, hashes: list[bytes], until_monotonic: float) -> None:
         for h in hashes:

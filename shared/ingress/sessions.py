@@ -1,0 +1,203 @@
+"""Sessions at the ingress: every request gets one, and every finished turn says how it ended.
+
+A dialect route calls, in order:
+1. `inputs(adm, dialect)` right after validating the body: the explicit
+   session id and the hints (shared/sessions/identity.py); malformed ones are
+   a 400 in the route's dialect, before anything is published;
+2. `tracker.begin(adm, inputs, prompt_ids, evidence)` once the prompt is
+   tokenized: the explicit session, else the one the prompt's chain continues
+   (shared/ingress/session_table.py), else a new one (`auto-<request hex>`).
+   The tenant-scoped id goes into the job (and so the workers' KV events);
+   logs carry the client's id as `session_id` (as the middleware bound the
+   header), with `scoped_session_id` and `session_source`; the client's id
+   comes back in the response's `x-session-id` header;
+3. `tracker.finish(turn, ...)` when the last token was delivered: the turn's
+   chain (prompt + output, full blocks, as the workers hash them) becomes the
+   session's anchors for inference and the `SessionEvent` published on
+   `subjects.SESSION_EVENTS` (msg id `<request_id>:turn`), with the outcome
+   `shared/sessions/outcome.py` classifies.
+The publish runs in the background: a bus that is down costs the event
+(logged, counted), never the client's response; at most
+`MAX_PENDING_PUBLISHES` wait at once, beyond that events are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from shared.bus.publish import Publisher
+from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
+from shared.ingress.admission import Admitted
+from shared.ingress.errors import Dialect, invalid
+from shared.ingress.metrics import IngressMetrics
+from shared.ingress.session_table import SessionTable, anchor_of
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.sessions.events import SessionEvent, TurnOutcome
+from shared.sessions.identity import (
+    SessionHints, SessionInputError, SessionRef, Source, explicit_anthropic, explicit_openai, hints,
+    scoped_session_id,
+)
+from shared.sessions.outcome import Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event
+
+log = get_logger(__name__)
+
+MAX_PENDING_PUBLISHES = 1024
+_INGRESS_ONLY = "kvmesh.ingress.sessions"  # hash key when the model's fingerprint is unknown (no block is named)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHasher:
+    """Block hashes of a tenant's token chain, as the workers compute them when the model's fingerprint is
+    known (`named`); otherwise keyed apart, good for inference only (events then name no blocks)."""
+
+    block_size: int
+    fingerprint: str | None = None
+
+    @property
+    def named(self) -> bool:
+        return self.fingerprint is not None
+
+    def extend(self, hashes: Sequence[bytes], ids: Sequence[int], salt_hex: str) -> list[bytes]:
+        """The full-block hashes of `ids`, given `hashes` of its leading full blocks (only the rest is hashed)."""
+        keys = HashKeys(self.fingerprint if self.fingerprint is not None else _INGRESS_ONLY, bytes.fromhex(salt_hex))
+        done = len(hashes) * self.block_size
+        parent = BlockHash(hashes[-1]) if hashes else None
+        return [*hashes, *hash_blocks(ids[done:], self.block_size, keys, parent)]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInputs:
+    explicit: tuple[Source, str] | None
+    hints: SessionHints
+
+
+def inputs(adm: Admitted, dialect: Dialect) -> SessionInputs:
+    """The session id the request names and its hints; a malformed one is a 400 (nothing published)."""
+    find = explicit_anthropic if dialect is Dialect.ANTHROPIC else explicit_openai
+    try:
+        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body))
+    except SessionInputError as exc:
+        raise invalid(exc.message, param=exc.param) from None
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request's turn of its session, from `begin` to `finish`."""
+
+    ref: SessionRef
+    hints: SessionHints
+    evidence: ToolEvidence
+    request_id: str
+    tenant_salt: str
+    started_at: float
+    prompt_ids: list[int]
+    prompt_hashes: list[bytes]
+
+    @property
+    def session_id(self) -> str:
+        return self.ref.session_id
+
+    def header(self) -> dict[str, str]:
+        """The response header naming the session (an inferred one's id is how a client can end it)."""
+        return {"x-session-id": self.ref.client_id}
+
+
+class SessionTracker:
+    """One per ingress process (on `IngressState.sessions`); see the module docstring."""
+
+    def __init__(self, table: SessionTable, hasher: ChainHasher, metrics: IngressMetrics,
+                 publisher: Publisher | None) -> None:
+        self.table, self.hasher, self.metrics, self.publisher = table, hasher, metrics, publisher
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def begin(self, adm: Admitted, given: SessionInputs, prompt_ids: list[int], evidence: ToolEvidence) -> Turn:
+        tenant = adm.principal.tenant
+        hashes = self.hasher.extend([], prompt_ids, adm.principal.salt)
+        if given.explicit is not None:
+            ref = SessionRef(tenant, given.explicit[1], given.explicit[0])
+        elif (found := self.table.find(tenant, prompt_ids, hashes)) is not None:
+            ref = SessionRef(tenant, found.ref.client_id, Source.INFERRED)
+        else:
+            ref = SessionRef(tenant, "auto-" + adm.request_id.removeprefix("req_"), Source.NEW)
+        previous = self.table.get(tenant, ref.client_id)
+        if previous is not None and previous.published in (TurnOutcome.ANSWER, TurnOutcome.TOOL_CALLS):
+            self.metrics.outcome_checks.labels(previous.published.value, evidence.previous_turn.value).inc()
+        self.metrics.sessions.labels(ref.source.value).inc()
+        structlog.contextvars.bind_contextvars(session_id=ref.client_id, scoped_session_id=ref.session_id,
+                                               session_source=ref.source.value)
+        return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes)
+
+    def finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
+               finish_reason: str | None, worker: str) -> None:
+        """The turn ended: remember its anchors, classify it and publish its event (in the background)."""
+        salt, prompt = turn.tenant_salt, turn.prompt_ids
+        # The last sampled token is never fed back, so the workers hold KV up to the one before it.
+        fed = self.hasher.extend(turn.prompt_hashes, [*prompt, *output_ids[:-1]], salt)
+        chain = Chain(fed[-1].hex() if fed and self.hasher.named else None,
+                      len(fed) if self.hasher.named else 0, worker)
+        anchors = [anchor_of(prompt, turn.prompt_hashes, self.hasher.block_size)]
+        if answer_ids:
+            extended = [*prompt, *answer_ids]
+            anchors.append(anchor_of(extended, self.hasher.extend(turn.prompt_hashes, extended, salt),
+                                     self.hasher.block_size))
+        outcome, tools = classify(TurnEnd(turn.evidence, finish_reason, turn.hints.session_end))
+        rec = self.table.record(turn.ref)
+        rec.last_request_id, rec.chain, rec.published, rec.ended = turn.request_id, chain, outcome, False
+        if outcome is TurnOutcome.ENDED:
+            self.table.end(turn.ref.tenant, turn.ref.client_id)
+        else:
+            self.table.turn_ended(rec, anchors)
+        facts = EventFacts(turn.ref.tenant, salt, turn.session_id, turn.request_id, turn.hints.expected_return_ms,
+                           turn.started_at, chain)
+        self._publish_later(session_event(facts, outcome, tools, time.time()), event_msg_id(facts, outcome))
+
+    async def end(self, tenant: str, tenant_salt: str, client_id: str) -> SessionEvent:
+        """The client ended the session: publish ENDED now (raises PublishError if the bus will not take it).
+
+        The chain is the last turn's when this process served it; unknown sessions are ended too
+        (another replica may have served them), so ending is idempotent and never a 404."""
+        rec = self.table.end(tenant, client_id)
+        chain = rec.chain if rec is not None else Chain()
+        facts = EventFacts(tenant, tenant_salt, scoped_session_id(tenant, client_id), chain=chain)
+        event = session_event(facts, TurnOutcome.ENDED, [], time.time())
+        await self._publish(event, event_msg_id(facts, TurnOutcome.ENDED))
+        return event
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for the events still being published (shutdown)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout_s)
+
+    # --- publishing ----------------------------------------------------
+
+    def _publish_later(self, event: SessionEvent, msg_id: str) -> None:
+        if self.publisher is None:
+            return
+        if len(self._pending) >= MAX_PENDING_PUBLISHES:
+            self.metrics.session_event_failures.inc()
+            log.warning("session event dropped: too many waiting for the bus", outcome=event.outcome.value)
+            return
+        task = asyncio.create_task(self._publish_logged(event, msg_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _publish_logged(self, event: SessionEvent, msg_id: str) -> None:
+        try:
+            await self._publish(event, msg_id)
+        except Exception as exc:  # noqa: BLE001 - advice lost, never the client's request
+            self.metrics.session_event_failures.inc()
+            log.warning("session event not published", outcome=event.outcome.value, error=repr(exc))
+
+    async def _publish(self, event: SessionEvent, msg_id: str) -> None:
+        if self.publisher is None:
+            return
+        await self.publisher.publish(subjects.SESSION_EVENTS, event, msg_id=msg_id)
+        self.metrics.session_events.labels(event.outcome.value).inc()
+        log.info("session event", outcome=event.outcome.value, tools=event.tools, chain_blocks=event.chain_blocks,
+                 worker=event.worker, expected_return_ms=event.expected_return_ms)
