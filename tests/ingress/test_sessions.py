@@ -169,7 +169,7 @@ def session_seq(stack: ServingStack) -> int:
 def chat(stack: ServingStack, messages: list[dict], key: str = "sk-sess-a",  # type: ignore[no-untyped-def]
          **kw: object):
     raw = oai(stack, key).chat.completions.with_raw_response.create(
-        model=stack.model_dir.name, messages=messages, max_tokens=3, temperature=0, **kw)
+        model=stack.model_dir.name, messages=messages, **{"max_tokens": 3, "temperature": 0, **kw})
     return raw.headers, raw.parse()
 
 
@@ -302,13 +302,22 @@ def test_bad_input_is_a_dialect_error_and_publishes_nothing(stack: ServingStack)
     assert asyncio.run(job_count(stack.nats.url)) == jobs and session_seq(stack) == events
 
 
-def test_kv_events_name_the_session(stack: ServingStack) -> None:
+def test_kv_events_name_the_session_and_hold_the_events_last_block(stack: ServingStack) -> None:
     sid = unique("kv")
     long = [{"role": "user", "content": unique("a prompt long enough to fill several blocks " * 4)}]
-    chat(stack, long, extra_headers={"x-session-id": sid})
+    _, r = chat(stack, long, extra_headers={"x-session-id": sid}, max_tokens=2 * BLOCK)
     scoped = scoped_session_id("sess-a", sid)
+    ev = event_where(stack, lambda e: e.request_id == rid(r.id))
+    fed = r.usage.prompt_tokens + r.usage.completion_tokens - 1  # the last sampled token has no KV
+    assert ev.last_hash is not None and ev.chain_blocks == fed // BLOCK
 
     def names_it(data: bytes) -> bool:
         return any(isinstance(e, BlockStored) and e.session_id == scoped for e in KVEventBatch.from_bytes(data).events)
 
+    def holds_last(data: bytes) -> bool:  # the worker the event names stored the block the event names
+        batch = KVEventBatch.from_bytes(data)
+        return batch.worker == ev.worker and any(isinstance(e, BlockStored) and ev.last_hash in e.hashes
+                                                 for e in batch.events)
+
     asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, names_it, 30.0))
+    asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, holds_last, 30.0))
