@@ -30,8 +30,9 @@ the return odds fall by Bayes (``Outlook.given_absent``). Heavy-tailed gaps
 tight ones (a tool with a steady latency) bring it closer until they pass.
 
 ``p_return`` is the share of a class's turns (outcome x first/later turn)
-that were followed by another turn, counted once each turn matures (at its
-deadline, at most ``max_wait_s`` after it ended), with a Laplace prior.
+that were followed by another turn, counted once each turn matures (at
+twice its deadline, at most ``max_wait_s`` after it ended), with a Laplace
+prior.
 Bounded: sessions and tool classes are LRU-capped. Not thread-safe.
 """
 
@@ -166,12 +167,12 @@ class ReturnPredictor:
         s.outlook = Outlook(at, outcome, at + _quantile(gaps, 0.5), at + _quantile(gaps, q), p, gaps, at)
         deadline = s.outlook.deadline
         self._seq += 1
-        matures = at + min(max(deadline - at, 0.0), self.config.max_wait_s)
+        # twice the deadline: a return after the 0.9 quantile is late, not absent
+        matures = at + min(2.0 * max(deadline - at, 0.0), self.config.max_wait_s)
         heapq.heappush(self._maturing, (matures, self._seq, session_id, s.turns, p_class))
 
     def turn_started(self, session_id: str, at: float) -> float | None:
         """A turn of ``session_id`` arrived at ``at``: learn the gap; returns ``at - expected`` (None: no prediction)."""
-        self._mature(at)
         s = self._session(session_id)
         error = None
         o = s.outlook
@@ -185,6 +186,7 @@ class ReturnPredictor:
                 s.bias_n += 1
         s.turns += 1
         s.outlook = None
+        self._mature(at)  # after counting this turn: a return at the maturity instant is a return
         return error
 
     def expected_return(self, session_id: str) -> float | None:

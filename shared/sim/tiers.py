@@ -5,8 +5,8 @@ service runs one policy over a worker's L1 and L2. What L1 evicts is
 demoted to L2 (``adopt``: it stays out if it ranks below everything L2
 could evict); what L2 evicts is dropped. A request's prefix hit is its
 leading blocks found in L1, then, continuing the chain, in L2; its chain
-is then inserted into L1, and the L2 blocks that made it there leave L2
-(promoted: a block lives in one tier at a time).
+is then inserted into L1, and its blocks that made it there leave L2
+(promoted, or recomputed: a block lives in one tier at a time).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class TieredCache:
         hits = self.lookup(hashes)
         result = self.l1.insert(specs, now)
         if self.l2 is not None:
-            for h in hashes[hits.l1: hits.l1 + hits.l2]:
-                if h in self.l1:
+            for h in hashes[hits.l1:]:  # promoted, or recomputed past a gap: L1 holds them now
+                if h in self.l1 and h in self.l2:
                     self.l2.remove(h, now)
             for info in result.evicted_blocks:
                 self.l2.adopt(info, now)

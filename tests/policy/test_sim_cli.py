@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,25 @@ def test_sim_on_shared_trace_head(tmp_path: Path) -> None:
     assert 0 < out["capacity_blocks"] < out["unique_blocks"]
     assert all(0.0 <= rates[k] <= rates["infinite"] for k in KEYS)
     assert 0.0 < rates["lru"] < rates["belady"]
+
+
+def test_sim_tiers_ttft_and_sweep_on_an_agent_trace(tmp_path: Path) -> None:
+    from tests.policy.agent_trace import write_agent_trace
+
+    trace = write_agent_trace(tmp_path / "agent.jsonl", sessions=30, seed=2)
+    out = run_sim("--trace", str(trace), "--l1-fraction", "0.05", "--l2-fraction", "0.1", "--sweep",
+                  "--policy", "session", "--policy", "lru", "--policy", "continuum", "--policy", "belady")
+    names = {"session", "lru", "continuum", "belady"}
+    assert out["l2_capacity_blocks"] == round(0.1 * out["unique_blocks"])
+    for n in names:
+        assert math.isclose(out["hit_rate"][n], out["l1_hit_rate"][n] + out["l2_hit_rate"][n], abs_tol=2e-6)
+        assert out["l2_hit_rate"][n] >= 0.0
+        ttft = out["ttft_s"][n]
+        assert 0.0 < ttft["p50"] <= ttft["p99"]
+    assert set(out["prediction_error_s"]) == {"session", "continuum"}  # only session-aware policies predict
+    assert out["ttft_model"]["kv_bytes_per_token"] == 131072
+    sweep = out["sweep"]
+    assert sweep["l1_fractions"][0] == 0.02 and sweep["l1_fractions"][-1] == 0.3
+    for n in names:
+        curve = sweep["l1_hit_rate"][n]
+        assert len(curve) == len(sweep["l1_fractions"]) and all(0.0 <= y <= 1.0 for y in curve)
