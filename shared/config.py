@@ -105,6 +105,18 @@ class WorkerSettings(BaseModel):
     resolve_inflight: int = Field(default=3, ge=1)  # KV windows (an L3 chunk / a peer batch) fetched at once per request
 
 
+class SessionRetentionSettings(BaseModel):
+    """How the eviction service keeps agent sessions by their predicted return (shared/eviction/sessions.py)."""
+
+    enabled: bool = True  # False: session events are ignored (the session-blind baseline)
+    pin_horizon_s: float = Field(default=120.0, ge=0.0)  # sessions expected back within this are pinned in L1
+    pin_margin_s: float = Field(default=10.0, ge=0.0)  # a pin outlives the predicted return by this much
+    pin_fraction: float = Field(default=0.4, ge=0.0, le=1.0)  # of a worker's L1 that session pins may ask for
+    prefetch_lead_s: float = Field(default=5.0, ge=0.0)  # a later session is fetched back this long before
+    min_p_return: float = Field(default=0.3, ge=0.0, le=1.0)  # ... if at least this likely to come back at all
+    max_sessions: int = Field(default=16_384, ge=1)  # tracked sessions; the least recently active go first
+
+
 class EvictionSettings(BaseModel):
     """The global eviction service (shared/eviction): watermarks, L3 GC budgets, warm-up."""
 
@@ -123,6 +135,7 @@ class EvictionSettings(BaseModel):
     warm_max_chunks: int = 64  # chunk keys in a new worker's warm command
     warm_window_s: float = 120.0  # a worker is warmed if it started this recently (not on a service restart)
     max_block_stats: int = 2_000_000  # access stats kept for blocks held nowhere any more are pruned beyond this
+    sessions: SessionRetentionSettings = Field(default_factory=SessionRetentionSettings)
 
 
 class StackSettings(BaseModel):

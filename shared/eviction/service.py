@@ -4,8 +4,13 @@ It reads the whole KV_EVENTS stream through its own ordered consumer (as
 each cache-index replica does) into an `OccupancyView`, watches the
 `workers` bucket (a worker going down is forgotten; a worker that started
 within `warm_window_s` gets a `Warm` of the hottest L3 chunks), answers
-`EVICTION_PIN`, and every `tick_s` sends the `Advisor`'s demotions to
-`subjects.commands(worker)` (stream COMMANDS). Every `gc_interval_s` it
+`EVICTION_PIN`, reads the SESSIONS stream (how each agent turn ended) into
+its `SessionRetention` planner, whose `Retain`s (a session's chain kept in
+L1 until its predicted return, or fetched back just before it) and
+ended-session demotions it sends at once, and every `tick_s` sends the
+`Advisor`'s demotions and due prefetches to `subjects.commands(worker)`
+(stream COMMANDS). A retained chain is also pinned here, so the advisor
+never demotes it. Every `gc_interval_s` it
 scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks;
 with an `events` publisher it reports the blocks of every chunk it deleted
 as `BlockRemoved(L3)`, so the cache index's L3 presence does not go stale.
@@ -31,18 +36,21 @@ from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
 from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan, scrub
-from shared.eviction.messages import PinReply, PinRequest, Warm, WorkerCommand
+from shared.eviction.messages import PinReply, PinRequest, Retain, Warm, WorkerCommand
 from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
 from shared.kv_events.publisher import KVEventPublisher
 from shared.eviction.pins import PinTable
+from shared.eviction.sessions import SessionRetention
 from shared.eviction.warmup import plan_warm
 from shared.kv_events.events import KVEventBatch
 from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.streams import KV_EVENTS
+from shared.protocol.streams import KV_EVENTS, SESSIONS
+from shared.sessions.events import SessionEvent
+from shared.sessions.predict import ReturnPredictor
 from shared.service.watch import Change, follow_workers
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Miss, Tier
@@ -66,20 +74,27 @@ class EvictionService:
         self.view = OccupancyView()
         self.pins = PinTable()
         self.advisor = Advisor(self.view, self.pins, self.policy, settings, l1_capacity)
+        self.retention = SessionRetention(self.view, ReturnPredictor(), settings.sessions, l1_capacity)
         self.l3_objects: list[L3Object] = []
         self._verified: set[tuple[str, str]] = set()  # (key, etag) of L3 objects a scrub read intact
         self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status
         self.deleted = 0
         self.metrics = None if registry is None else EvictionMetrics.create(
             registry, lambda: float(len(self.pins)), lambda: float(len(self.view.workers)),
-            lambda: float(len(self.l3_objects)))
-        self._sub = None
+            lambda: float(len(self.l3_objects)), self.retention.counts)
+        self._subs: list = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
-        self._sub = await self.js.subscribe(subjects.KV_EVENTS_ALL, stream=KV_EVENTS.name, cb=self._on_events,
-                                            ordered_consumer=True, config=config, idle_heartbeat=1.0)
+        self._subs.append(await self.js.subscribe(subjects.KV_EVENTS_ALL, stream=KV_EVENTS.name, cb=self._on_events,
+                                                  ordered_consumer=True, config=config, idle_heartbeat=1.0))
+        if self.settings.sessions.enabled:
+            # Only turns that end from now on: an old turn's predicted return is long past.
+            fresh = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW)
+            self._subs.append(await self.js.subscribe(subjects.SESSION_EVENTS, stream=SESSIONS.name,
+                                                      cb=self._on_session_event, ordered_consumer=True,
+                                                      config=fresh, idle_heartbeat=1.0))
         self._tasks = [asyncio.create_task(self._every(self.settings.tick_s, self.tick)),
                        asyncio.create_task(self._watch())]
         if self.l3 is not None:
@@ -91,9 +106,9 @@ class EvictionService:
         for t in self._tasks:
             with suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._sub is not None:
+        for sub in self._subs:
             with suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
 
     # --- endpoint --------------------------------------------------------
 
@@ -108,7 +123,7 @@ class EvictionService:
         now = time.time()
         self.pins.expire(now)
         self.view.prune(self.settings.max_block_stats)
-        for cmd in self.advisor.advise(now):
+        for cmd in [*self.advisor.advise(now), *self.retention.tick(now)]:
             await self._send(cmd)
 
     async def collect(self) -> GCPlan:
@@ -178,7 +193,22 @@ class EvictionService:
             return
         self.view.apply(batch, time.time())
 
+    async def _on_session_event(self, msg: Msg) -> None:
+        try:
+            ev = SessionEvent.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable session event skipped", error=str(exc))
+            return
+        for cmd in self.retention.on_event(ev, time.time()):
+            await self._send(cmd)
+        if self.metrics is not None:
+            self.metrics.observe_errors(self.retention.counts)
+        else:
+            self.retention.counts.errors.clear()
+
     async def _send(self, cmd: WorkerCommand) -> None:
+        if isinstance(cmd.command, Retain):  # what a worker keeps for a session, the advisor keeps too
+            self.pins.pin((bytes.fromhex(h) for h in cmd.command.hashes), cmd.command.until)
         await self.publisher.publish(subjects.commands(cmd.worker), cmd, msg_id=cmd.command_id)
         self.sent = [*self.sent[-255:], cmd]
         if self.metrics is not None:

@@ -23,12 +23,13 @@ from shared.cache_index.service import CacheIndex
 from shared.config import EvictionSettings, IndexSettings
 from shared.eviction.client import pin_prefix
 from shared.eviction.l3_gc import scan
-from shared.eviction.messages import Demote, PinRequest, Warm, WorkerCommand
+from shared.eviction.messages import Demote, PinRequest, Retain, Warm, WorkerCommand
 from shared.eviction.service import EvictionService
 from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
 from shared.protocol.messages import Heartbeat, Role
 from shared.protocol.streams import COMMANDS
+from shared.sessions.events import SessionEvent, TurnOutcome
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Tier
@@ -96,6 +97,27 @@ async def test_over_full_worker_gets_demote_and_pins_protect(fresh_nats_server) 
     # Only chain c can go on w2: 4 of the 5 wanted, never a pinned block of b.
     assert set(out2) == set(c) and not set(out2) & set(b)
     assert svc.advisor.policy.name == "cost"
+
+
+async def test_a_session_in_a_tool_call_is_retained_on_its_worker(fresh_nats_server) -> None:
+    url = fresh_nats_server.url
+    worker, blocks = unique("w"), chain(5, "session")
+    async with service(url, l1_capacity=100) as svc, connected(url, "test") as nc:
+        async with worker_events(url, worker) as pub:
+            pub.stored(blocks, Tier.L1, tokens_per_block=16)
+            await pub.flushed()
+        await eventually(lambda: blocks[-1] in svc.view.stats, 10, "the service saw the session's blocks")
+        now = time.time()
+        ev = SessionEvent(tenant="t", tenant_salt="cd" * 16, session_id="agent-1", request_id="r1",
+                          outcome=TurnOutcome.TOOL_CALLS, tools=["bash"], last_hash=blocks[-1].hex(),
+                          chain_blocks=5, worker=worker, expected_return_ms=2000, started_at=now - 1, at=now)
+        await nc.jetstream().publish(subjects.SESSION_EVENTS, ev.to_bytes())
+        got = await next_command(nc, worker)
+    assert isinstance(got.command, Retain) and not got.command.fetch
+    assert [bytes.fromhex(h) for h in got.command.hashes] == blocks  # the chain, from its last block back
+    assert got.command.until >= now + 2
+    assert all(svc.pins.pinned(h, now + 1) for h in blocks)  # the advisor keeps it too
+    assert svc.retention.counts.retains == 1
 
 
 async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server, s3_server) -> None:

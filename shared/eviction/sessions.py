@@ -1,0 +1,222 @@
+"""Session retention: from how each agent turn ended to Retain and Demote advice.
+
+Offline Belady wins by knowing when a block is next used; an agent session
+says so when its turn ends (shared/sessions/events.py). For each
+`SessionEvent` the planner
+
+1. tells the `ReturnPredictor` the turn started (`started_at`: it learns the
+   gap since the last turn; its error goes to a metric) and how it ended;
+2. finds the session's chain: `last_hash` walked back through the parent
+   links the KV events gave (`OccupancyView.stats`);
+3. advises by the predicted return:
+   - back within `pin_horizon_s` (a tool call): `Retain` the chain in the
+     worker's L1 until the predictor's deadline (a high quantile of the gap,
+     so the pin outlives most tool runs) plus `pin_margin_s`, within the
+     session pin budget (`pin_fraction` of the worker's L1); past the budget
+     the pins of the sessions expected back latest give way, or this one is
+     not pinned;
+   - back later (an answer, a person reading): no pin, so the blocks go down
+     to L2/L3 under pressure like any others; `prefetch_lead_s` before the
+     predicted return (if a return is likely: `min_p_return`) a `Retain` with
+     `fetch` brings the chain back into L1;
+   - ended: its unshared blocks (claimed by no other tracked session) still
+     in L1 are demoted to L2 at once, leaves first, ahead of everything else.
+
+Late and wasted prefetches are counted: late when the session came back
+before its prefetch was sent, wasted when its pin lapsed unused. Everything
+is advice: a lost event or command costs hits, never correctness. State is
+bounded (`max_sessions`, least recently active forgotten first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.config import SessionRetentionSettings
+from shared.eviction.messages import Demote, Retain, WorkerCommand
+from shared.eviction.occupancy import OccupancyView
+from shared.sessions.events import SessionEvent, TurnOutcome
+from shared.sessions.predict import ReturnPredictor
+from shared.tiers.miss import Tier
+
+
+@dataclass(slots=True)
+class TrackedSession:
+    key: tuple[str, str]  # (tenant, session id): ids are scoped to their tenant
+    worker: str
+    tenant_salt: str
+    chain: list[bytes]
+    expected_at: float = math.inf  # the predicted next turn (median)
+    deadline: float = math.inf  # most such sessions are back by then (a high quantile)
+    pinned_until: float = 0.0  # 0: not pinned
+    prefetch_at: float | None = None  # when to send the prefetch; None: none planned or already sent
+    prefetched_at: float | None = None
+
+
+@dataclass(slots=True)
+class RetentionCounts:
+    retains: int = 0
+    prefetches: int = 0
+    late_prefetches: int = 0  # the session came back before its prefetch went out
+    wasted_prefetches: int = 0  # a prefetched session's pin lapsed before it came back
+    budget_refusals: int = 0  # a session that would have been pinned but the budget was full
+    ended_demoted: int = 0  # blocks of ended sessions demoted at once
+    errors: list[float] = field(default_factory=list)  # signed prediction errors (s) not yet exported
+
+
+class SessionRetention:
+    """`on_event(ev, now)` and `tick(now)` return the commands to send; `counts` feeds the metrics."""
+
+    def __init__(self, view: OccupancyView, predictor: ReturnPredictor, settings: SessionRetentionSettings,
+                 l1_capacity: int) -> None:
+        self.view, self.predictor, self.settings = view, predictor, settings
+        self.pin_budget = int(settings.pin_fraction * l1_capacity)
+        self.sessions: OrderedDict[tuple[str, str], TrackedSession] = OrderedDict()
+        self.claims: dict[bytes, int] = {}  # block -> tracked sessions whose chain holds it
+        self.counts = RetentionCounts()
+
+    def pinned_blocks(self, worker: str, now: float) -> int:
+        return sum(len(s.chain) for s in self.sessions.values() if s.worker == worker and s.pinned_until > now)
+
+    def on_event(self, ev: SessionEvent, now: float) -> list[WorkerCommand]:
+        key = (ev.tenant, ev.session_id)
+        sid = self._predictor_id(key)
+        old = self.sessions.get(key)
+        if ev.started_at is not None:
+            if old is not None and old.prefetch_at is not None and ev.started_at < old.prefetch_at:
+                self.counts.late_prefetches += 1
+            err = self.predictor.turn_started(sid, ev.started_at)
+            if err is not None:
+                self.counts.errors.append(err)
+        hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
+        self.predictor.turn_ended(sid, ev.at, ev.outcome, ev.tools, hint)
+        chain = self._chain(ev)
+        session = self._track(key, ev, chain)
+        if ev.outcome is TurnOutcome.ENDED:
+            out = self._demote_unshared(session)
+            self._forget(key)
+            self.predictor.forget(sid)
+            return out
+        outlook = self.predictor.outlook(sid)
+        session.expected_at = outlook.expected_at if outlook is not None else math.inf
+        session.deadline = outlook.deadline if outlook is not None else math.inf
+        session.pinned_until, session.prefetch_at, session.prefetched_at = 0.0, None, None
+        if not session.chain or not session.worker or outlook is None:
+            return []
+        s = self.settings
+        if session.expected_at - now <= s.pin_horizon_s:
+            cmd = self._retain(session, now, fetch=False)
+            return [cmd] if cmd is not None else []
+        if session.expected_at < math.inf and outlook.p_return >= s.min_p_return:
+            session.prefetch_at = session.expected_at - s.prefetch_lead_s
+        return []
+
+    def tick(self, now: float) -> list[WorkerCommand]:
+        """Prefetches that are due; lapsed pins of prefetched sessions that never came back are counted."""
+        out: list[WorkerCommand] = []
+        for session in list(self.sessions.values()):
+            if session.prefetched_at is not None and 0.0 < session.pinned_until <= now:
+                self.counts.wasted_prefetches += 1
+                session.prefetched_at, session.pinned_until = None, 0.0
+            if session.prefetch_at is not None and session.prefetch_at <= now:
+                session.prefetch_at = None
+                cmd = self._retain(session, now, fetch=True)
+                if cmd is not None:
+                    session.prefetched_at = now
+                    self.counts.prefetches += 1
+                    out.append(cmd)
+        return out
+
+    # --- internals ---------------------------------------------------------
+
+    @staticmethod
+    def _predictor_id(key: tuple[str, str]) -> str:
+        return f"{key[0]}\x1f{key[1]}"
+
+    def _chain(self, ev: SessionEvent) -> list[bytes]:
+        """Root-first chain ending at `last_hash`, as far as the view knows its parents."""
+        if ev.last_hash is None:
+            return []
+        chain, h = [], bytes.fromhex(ev.last_hash)
+        limit = max(ev.chain_blocks, 1)
+        while h is not None and len(chain) < limit:
+            chain.append(h)
+            info = self.view.stats.get(h)
+            h = info.parent_hash if info is not None else None
+        chain.reverse()
+        return chain
+
+    def _track(self, key: tuple[str, str], ev: SessionEvent, chain: list[bytes]) -> TrackedSession:
+        session = self.sessions.pop(key, None)
+        if session is None:
+            session = TrackedSession(key, ev.worker, ev.tenant_salt, [])
+        if chain or ev.outcome is not TurnOutcome.ENDED:  # an explicit end names no chain: keep the last one
+            self._claim(session.chain, -1)
+            session.chain = chain
+            self._claim(chain, +1)
+        session.worker = ev.worker or session.worker
+        session.tenant_salt = ev.tenant_salt or session.tenant_salt
+        self.sessions[key] = session  # most recently active last
+        while len(self.sessions) > self.settings.max_sessions:
+            oldest = next(iter(self.sessions))
+            self._forget(oldest)
+            self.predictor.forget(self._predictor_id(oldest))
+        return session
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            self._claim(session.chain, -1)
+
+    def _claim(self, chain: list[bytes], delta: int) -> None:
+        for h in chain:
+            n = self.claims.get(h, 0) + delta
+            if n > 0:
+                self.claims[h] = n
+            else:
+                self.claims.pop(h, None)
+
+    def _retain(self, session: TrackedSession, now: float, fetch: bool) -> WorkerCommand | None:
+        until = min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
+        if not self._make_room(session, now):
+            self.counts.budget_refusals += 1
+            return None
+        session.pinned_until = until
+        self.counts.retains += 1
+        cmd = Retain(hashes=[h.hex() for h in session.chain], until=until, fetch=fetch,
+                     tenant_salt=session.tenant_salt, session_id=session.key[1])
+        kind = "prefetch" if fetch else "retain"
+        cid = f"{kind}-{session.worker}-{session.chain[-1].hex()[:32]}-{int(until)}"
+        return WorkerCommand(worker=session.worker, command_id=cid, command=cmd)
+
+    def _make_room(self, session: TrackedSession, now: float) -> bool:
+        """Fit `session`'s chain in its worker's pin budget, unpinning sessions expected back later."""
+        need = len(session.chain)
+        if need > self.pin_budget:
+            return False
+        pinned = [s for s in self.sessions.values()
+                  if s.worker == session.worker and s.pinned_until > now and s is not session]
+        used = sum(len(s.chain) for s in pinned)
+        for other in sorted(pinned, key=lambda s: s.expected_at, reverse=True):
+            if used + need <= self.pin_budget or other.expected_at <= session.expected_at:
+                break
+            # Its pin on the worker lapses at its own time (pins only extend); the engine's pin
+            # budget is the hard limit, this one decides who is worth asking for.
+            other.pinned_until = 0.0
+            used -= len(other.chain)
+        return used + need <= self.pin_budget
+
+    def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
+        if not session.worker:
+            return []
+        in_l1 = self.view.workers.get(session.worker)
+        held = in_l1.tiers[Tier.L1] if in_l1 is not None else set()
+        mine = [h for h in reversed(session.chain) if self.claims.get(h, 0) <= 1 and h in held]
+        if not mine:
+            return []
+        self.counts.ended_demoted += len(mine)
+        cid = f"ended-{session.worker}-{session.chain[-1].hex()[:32]}"
+        return [WorkerCommand(worker=session.worker, command_id=cid,
+                              command=Demote(hashes=[h.hex() for h in mine], src=Tier.L1))]

@@ -1,0 +1,126 @@
+"""The eviction service's session planner: turn outcomes in, Retain / Demote advice out (no bus, no engine)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.cache_policy.base import BlockInfo
+from shared.config import SessionRetentionSettings
+from shared.eviction.messages import Demote, Retain
+from shared.eviction.occupancy import OccupancyView, WorkerOccupancy
+from shared.eviction.sessions import SessionRetention
+from shared.sessions.events import SessionEvent, TurnOutcome
+from shared.sessions.predict import ReturnPredictor
+from shared.tiers.miss import Tier
+
+T0 = 1_000_000.0
+L1 = 100
+RULES = SessionRetentionSettings(pin_horizon_s=120, pin_margin_s=10, pin_fraction=0.4, prefetch_lead_s=5)
+
+
+def block(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def chain_in(view: OccupancyView, worker: str, names: list[str]) -> list[bytes]:
+    """Blocks `names` as one chain (root first) that `worker` holds in L1."""
+    occ = view.workers.setdefault(worker, WorkerOccupancy())
+    parent = None
+    out = []
+    for depth, name in enumerate(names):
+        h = block(name)
+        view.stats.setdefault(h, BlockInfo(h, parent, depth, 16, 1, T0, T0))
+        occ.tiers[Tier.L1].add(h)
+        out.append(h)
+        parent = h
+    return out
+
+
+def event(session: str, chain: list[bytes], outcome: TurnOutcome, at: float, *, started: float | None = None,
+          hint_s: float | None = None, worker: str = "w1", tools: tuple[str, ...] = ()) -> SessionEvent:
+    return SessionEvent(tenant="t", tenant_salt="ab" * 16, session_id=session, request_id=f"r-{session}-{at}",
+                        outcome=outcome, tools=list(tools), last_hash=chain[-1].hex() if chain else None,
+                        chain_blocks=len(chain), worker=worker, started_at=started, at=at,
+                        expected_return_ms=None if hint_s is None else int(hint_s * 1000))
+
+
+def planner(view: OccupancyView | None = None) -> SessionRetention:
+    return SessionRetention(view or OccupancyView(), ReturnPredictor(), RULES, L1)
+
+
+def test_a_tool_call_pins_the_chain_until_its_return() -> None:
+    p = planner()
+    chain = chain_in(p.view, "w1", ["sys", "a1", "a2"])
+    [cmd] = p.on_event(event("s", chain, TurnOutcome.TOOL_CALLS, T0, hint_s=3.0, tools=("bash",)), T0)
+    assert cmd.worker == "w1" and isinstance(cmd.command, Retain) and not cmd.command.fetch
+    assert [bytes.fromhex(h) for h in cmd.command.hashes] == chain  # found from the last block by parent links
+    assert cmd.command.until == T0 + 3.0 + RULES.pin_margin_s
+    assert cmd.command.tenant_salt == "ab" * 16
+    assert p.pinned_blocks("w1", T0 + 1) == 3
+
+
+def test_an_answer_is_not_pinned_but_prefetched_before_its_return() -> None:
+    p = planner()
+    chain = chain_in(p.view, "w1", ["sys", "b1"])
+    assert p.on_event(event("s", chain, TurnOutcome.ANSWER, T0, hint_s=600.0), T0) == []
+    assert p.tick(T0 + 600 - RULES.prefetch_lead_s - 1) == []
+    [cmd] = p.tick(T0 + 600 - RULES.prefetch_lead_s)
+    assert isinstance(cmd.command, Retain) and cmd.command.fetch and cmd.command.until == T0 + 600 + RULES.pin_margin_s
+    assert p.tick(T0 + 600) == [] and p.counts.prefetches == 1
+    # The session never came back: once its pin lapses the prefetch counts as wasted.
+    p.tick(T0 + 600 + RULES.pin_margin_s + 1)
+    assert p.counts.wasted_prefetches == 1
+
+
+def test_a_session_back_before_its_prefetch_counts_late_and_teaches_the_predictor() -> None:
+    p = planner()
+    chain = chain_in(p.view, "w1", ["sys", "c1"])
+    p.on_event(event("s", chain, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)
+    longer = chain_in(p.view, "w1", ["sys", "c1", "c2"])
+    p.on_event(event("s", longer, TurnOutcome.ANSWER, T0 + 40, started=T0 + 30), T0 + 40)
+    assert p.counts.late_prefetches == 1
+    assert p.counts.errors and p.counts.errors[0] != 0.0  # predicted 600 s, came back after 30 s
+
+
+def test_an_ended_session_demotes_only_its_unshared_l1_blocks_leaves_first() -> None:
+    p = planner()
+    mine = chain_in(p.view, "w1", ["sys", "d1", "d2"])
+    theirs = chain_in(p.view, "w1", ["sys", "e1"])
+    p.on_event(event("other", theirs, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
+    p.on_event(event("s", mine, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)
+    [cmd] = p.on_event(event("s", [], TurnOutcome.ENDED, T0 + 1), T0 + 1)  # an explicit end names no chain
+    assert isinstance(cmd.command, Demote) and cmd.command.src is Tier.L1
+    assert [bytes.fromhex(h) for h in cmd.command.hashes] == [mine[2], mine[1]]  # "sys" is shared: it stays
+    assert ("t", "s") not in p.sessions and p.claims.get(block("sys")) == 1
+
+
+def test_the_budget_gives_way_to_sessions_back_sooner() -> None:
+    p = planner()  # budget: 40 of 100 blocks
+    late = chain_in(p.view, "w1", [f"late{i}" for i in range(30)])
+    soon = chain_in(p.view, "w1", [f"soon{i}" for i in range(30)])
+    assert p.on_event(event("late", late, TurnOutcome.TOOL_CALLS, T0, hint_s=100.0), T0)
+    [cmd] = p.on_event(event("soon", soon, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
+    assert isinstance(cmd.command, Retain) and p.pinned_blocks("w1", T0) == 30
+    assert p.sessions[("t", "late")].pinned_until == 0.0  # unpinned in the plan: it comes back later
+    later = chain_in(p.view, "w1", [f"later{i}" for i in range(30)])
+    assert p.on_event(event("later", later, TurnOutcome.TOOL_CALLS, T0, hint_s=50.0), T0) == []
+    assert p.counts.budget_refusals == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 30), st.sampled_from(list(TurnOutcome)),
+                          st.floats(0.5, 1000.0), st.sampled_from(["w1", "w2"])), min_size=1, max_size=40))
+def test_session_pins_never_exceed_the_budget(turns) -> None:
+    p = planner()
+    now = T0
+    for k, (session, length, outcome, hint, worker) in enumerate(turns):
+        now += 1.0
+        chain = chain_in(p.view, worker, [f"s{session}-{i}" for i in range(length)])
+        p.on_event(event(f"s{session}", chain, outcome, now, started=now - 0.5, hint_s=hint, worker=worker), now)
+        p.tick(now)
+        for w in ("w1", "w2"):
+            assert p.pinned_blocks(w, now) <= p.pin_budget
+        assert all(n > 0 for n in p.claims.values())
