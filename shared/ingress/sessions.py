@@ -135,7 +135,16 @@ class SessionTracker:
 
     def finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
                finish_reason: str | None, worker: str) -> None:
-        """The turn ended: remember its anchors, classify it and publish its event (in the background)."""
+        """The turn ended: remember its anchors, classify it and publish its event (in the background).
+        Never raises: the client's response does not depend on it."""
+        try:
+            self._finish(turn, output_ids, answer_ids, finish_reason, worker)
+        except Exception:  # noqa: BLE001 - a bug here must cost the event, not the answer
+            self.metrics.session_event_failures.inc()
+            log.exception("session turn not recorded")
+
+    def _finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
+                finish_reason: str | None, worker: str) -> None:
         salt, prompt = turn.tenant_salt, turn.prompt_ids
         # The last sampled token is never fed back, so the workers hold KV up to the one before it.
         fed = self.hasher.extend(turn.prompt_hashes, [*prompt, *output_ids[:-1]], salt)

@@ -20,15 +20,22 @@ import nats
 import openai
 import pytest
 from nats.js import api
+from prometheus_client import CollectorRegistry
 
 from ingress.serving_stack import ServingStack, job_count, one_of_each
 from shared.config import EngineSettings
 from shared.engine.block_hash import HashKeys, hash_blocks
+from shared.bus.publish import PublishError
+from shared.ingress.admission import Admitted
+from shared.ingress.auth import Principal
+from shared.ingress.metrics import IngressMetrics
 from shared.ingress.session_table import SessionTable, anchor_of
+from shared.ingress.sessions import ChainHasher, SessionInputs, SessionTracker
 from shared.kv_events.events import BlockStored, KVEventBatch
 from shared.protocol import subjects
 from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.identity import SessionRef, Source, scoped_session_id
+from shared.sessions.identity import SessionHints, SessionRef, Source, scoped_session_id
+from shared.sessions.outcome import ToolEvidence
 from shared.stack.servers import S3Server
 
 KEYS = {"sk-sess-a": "sess-a", "sk-sess-b": "sess-b"}
@@ -79,6 +86,34 @@ def test_table_prefers_the_deepest_anchor_and_forgets_ended_sessions() -> None:
     assert table.find("t", req, _hashes(req)) is b
     table.end("t", "b")
     assert table.find("t", req, _hashes(req)) is a
+
+
+class _DownBus:
+    """A publisher whose bus never takes anything."""
+
+    async def publish(self, subject: str, payload: object, msg_id: str, **kw: object) -> None:
+        raise PublishError(f"bus down ({msg_id})")
+
+
+async def test_tracker_counts_a_lost_event_and_still_remembers_the_turn() -> None:
+    registry = CollectorRegistry()
+    tracker = SessionTracker(SessionTable(BLOCK), ChainHasher(BLOCK), IngressMetrics.create(registry),
+                             _DownBus())  # type: ignore[arg-type]
+    principal, given = Principal("k", "t", "00"), SessionInputs(None, SessionHints())
+
+    def admitted(request_id: str) -> Admitted:
+        return Admitted(None, principal, {}, request_id, None)  # type: ignore[arg-type]
+
+    prompt = list(range(100, 100 + 2 * BLOCK + 3))
+    first = tracker.begin(admitted("req_1"), given, prompt, ToolEvidence())
+    assert first.ref.source is Source.NEW and first.ref.client_id == "auto-1"
+    tracker.finish(first, [7, 8, 9, 2], [7, 8, 9], "stop", "decode-0")  # does not raise
+    await tracker.drain(10.0)
+    assert registry.get_sample_value("kvmesh_ingress_session_event_failures_total") == 1
+    # the next turn's prompt holds the answer's ids: it continues the session
+    nxt = tracker.begin(admitted("req_2"), given, [*prompt, 7, 8, 9, 2, 40, 41], ToolEvidence())
+    assert (nxt.ref.client_id, nxt.ref.source) == ("auto-1", Source.INFERRED)
+    assert registry.get_sample_value("kvmesh_ingress_sessions_total", {"source": "inferred"}) == 1
 
 
 # --- the stack ---------------------------------------------------------------
