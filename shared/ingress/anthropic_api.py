@@ -143,7 +143,7 @@ async def messages(request: Request) -> Any:
         answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
         full = adm.state.prompts.tokenizer.decode(done.token_ids)
         reason = stop_reason(done.finish_reason, done.text, full, body.stops())
-        adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.finished_by)
+        adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.prefill_worker or usage.finished_by)
         cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
         return JSONResponse(_message(req, body.model, done.text, reason, cu),
                             headers={**route_header(usage), **turn.header()})
@@ -186,7 +186,7 @@ async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, 
         yield sse({"type": "message_stop"}, "message_stop")
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, joined, ids)
-        adm.state.sessions.finish(turn, ids, answer, reason[0], usage.finished_by)
+        adm.state.sessions.finish(turn, ids, answer, reason[0], usage.prefill_worker or usage.finished_by)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.ANTHROPIC), "error")

@@ -134,7 +134,7 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: T
         adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
         _account(adm, usage, len(done.token_ids))
         answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids) if chat else None
-        adm.state.sessions.finish(turn, done.token_ids, answer, done.finish_reason, usage.finished_by)
+        adm.state.sessions.finish(turn, done.token_ids, answer, done.finish_reason, usage.prefill_worker or usage.finished_by)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None},
                       "logprobs": None, "finish_reason": _FINISH.get(done.finish_reason, done.finish_reason)}
@@ -179,7 +179,7 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Tu
         yield sse("[DONE]")
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, "".join(text), ids) if chat else None
-        adm.state.sessions.finish(turn, ids, answer, finish, usage.finished_by)
+        adm.state.sessions.finish(turn, ids, answer, finish, usage.prefill_worker or usage.finished_by)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.OPENAI))

@@ -10,8 +10,8 @@ the session's KV differently:
 - ``ended``: the client said the session is over (the end endpoint, or a
   hint); its unshared blocks can go first.
 
-One `SessionEvent` per ended turn goes to `subjects.session_events(tenant)`
-(stream SESSIONS). `last_hash` is the last full block of the turn's chain
+One `SessionEvent` per ended turn goes to `subjects.SESSION_EVENTS` (stream
+SESSIONS). `last_hash` is the last full block of the turn's chain
 (the prompt plus what was generated, as far as blocks are full), so a
 consumer can find the whole chain from it (the index, the KV events).
 `expected_return_ms` is the client's hint, when it gave one. Consumers
@@ -46,7 +46,9 @@ class SessionEvent(Message):
     tools: list[str] = Field(default_factory=list)  # tool names called, for TOOL_CALLS
     last_hash: HexHash | None = None  # the chain's last full block (None: no full block, or an explicit end)
     chain_blocks: int = Field(default=0, ge=0)  # blocks in that chain
-    worker: str = ""  # the decode worker that holds the chain in L1 ("" if unknown)
+    # The prefill worker that served the turn: routing sends the session back there and its next prefill
+    # reads that worker's L1 first, so that is where retention keeps it ("" if unknown).
+    worker: str = ""
     expected_return_ms: int | None = Field(default=None, ge=0)  # the client's hint
     started_at: float | None = None  # when this turn's request arrived: the gap since the last turn is learned from it
     at: float

@@ -252,7 +252,7 @@ def test_two_turns_without_an_id_are_one_inferred_session(stack: ServingStack) -
     assert h3["x-session-id"] not in (first,) and h3["x-session-id"].startswith("auto-")
     ev = event_where(stack, lambda e: e.request_id == rid(r2.id))
     assert ev.session_id == scoped_session_id("sess-a", first) and ev.outcome is TurnOutcome.ANSWER
-    assert ev.last_hash is not None and ev.chain_blocks >= 2 and ev.worker in ("prefill-0", "decode-0")
+    assert ev.last_hash is not None and ev.chain_blocks >= 2 and ev.worker == "prefill-0"
     assert ev.started_at is not None and ev.started_at <= ev.at
 
 
@@ -349,10 +349,9 @@ def test_kv_events_name_the_session_and_hold_the_events_last_block(stack: Servin
     def names_it(data: bytes) -> bool:
         return any(isinstance(e, BlockStored) and e.session_id == scoped for e in KVEventBatch.from_bytes(data).events)
 
-    def holds_last(data: bytes) -> bool:  # the worker the event names stored the block the event names
-        batch = KVEventBatch.from_bytes(data)
-        return batch.worker == ev.worker and any(isinstance(e, BlockStored) and ev.last_hash in e.hashes
-                                                 for e in batch.events)
+    def holds_last(data: bytes) -> bool:  # a worker stored the block the event names: the chain is real
+        return any(isinstance(e, BlockStored) and ev.last_hash in e.hashes for e in KVEventBatch.from_bytes(data).events)
 
     asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, names_it, 30.0))
     asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, holds_last, 30.0))
+    assert ev.worker == "prefill-0"  # retention keeps the session where its next prefill reads
