@@ -54,6 +54,9 @@ PRIOR_GAP_S = {TurnOutcome.TOOL_CALLS: 10.0, TurnOutcome.ANSWER: 120.0}
 _PRIOR_SPREAD = tuple(math.exp(0.86 * z) for z in (-1.28, -0.84, -0.52, -0.25, 0.0, 0.25, 0.52, 0.84, 1.28))
 _MIN_GAP_S = 0.01  # floor for logs: gaps are never quite zero
 CHECKPOINTS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # window quantiles at which an idle session is re-estimated
+# An idle session twice as old as the longest gap seen is taken for gone. Every finite estimate must
+# end at such an event: a frozen absolute time would, once it is past, rank a dead session above live ones.
+_EXPIRE_AFTER = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,8 @@ class Outlook:
         if n == 0 or now <= self.ended_at:
             return self
         age = now - self.ended_at
+        if age >= _EXPIRE_AFTER * self.gaps[-1]:  # far beyond every gap seen: not expected back
+            return replace(self, expected_at=math.inf, p_return=0.0, as_of=now)
         left = n - bisect.bisect_right(self.gaps, age)
         if left:
             share = left / n
@@ -117,7 +122,9 @@ class Outlook:
         n = len(self.gaps)
         if n == 0:
             return []
-        return sorted({self.ended_at + self.gaps[round(q * (n - 1))] for q in CHECKPOINTS})
+        times = {self.ended_at + self.gaps[round(q * (n - 1))] for q in CHECKPOINTS}
+        times.add(self.ended_at + _EXPIRE_AFTER * self.gaps[-1])
+        return sorted(times)
 
 
 @dataclass(slots=True)
