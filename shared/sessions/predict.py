@@ -10,9 +10,9 @@ arrival: the observed gap). The gap after a turn is predicted from:
   question; a conversation that came back once keeps coming back);
 - a fallback per outcome (tools vs answer) while the class has fewer than
   ``min_samples`` gaps, and a physical prior before anything is seen;
-- the session's own bias: the mean log ratio of its observed gaps to the
-  class median, shrunk towards 0 by ``bias_prior`` pseudo-observations (a
-  slow sandbox, a slow typist);
+- the session's own bias, per outcome: the mean log ratio of its observed
+  gaps to the class median, shrunk towards 0 by ``bias_prior``
+  pseudo-observations (a slow sandbox says nothing of a slow typist);
 - a client hint (``hint_s``), which overrides all of that.
 
 Each class keeps a ``RecentQuantiles`` window of gaps. The point estimate
@@ -134,8 +134,7 @@ class _Session:
     gap_class: str = ""  # the class the pending prediction came from
     class_median: float = 0.0  # that class's median gap when predicted (the bias's reference)
     hinted: bool = False
-    bias_sum: float = 0.0
-    bias_n: int = 0
+    bias: dict[TurnOutcome, tuple[float, int]] = field(default_factory=dict)  # outcome -> (sum of log ratios, n)
 
 
 @dataclass(slots=True)
@@ -169,7 +168,8 @@ class ReturnPredictor:
         if hint_s is not None:
             gaps: tuple[float, ...] = (max(hint_s, 0.0),)
         else:
-            factor = math.exp(s.bias_sum / (s.bias_n + self.config.bias_prior))
+            total, n = s.bias.get(outcome, (0.0, 0))
+            factor = math.exp(total / (n + self.config.bias_prior))
             gaps = window if factor == 1.0 else tuple(g * factor for g in window)
         s.outlook = Outlook(at, outcome, at + _quantile(gaps, 0.5), at + _quantile(gaps, q), p, gaps, at)
         deadline = s.outlook.deadline
@@ -189,8 +189,9 @@ class ReturnPredictor:
             self._class(s.gap_class).add(gap)
             self._fallbacks.setdefault(o.outcome, RecentQuantiles(self.config.window)).add(gap)
             if not s.hinted:
-                s.bias_sum += math.log(max(gap, _MIN_GAP_S) / max(s.class_median, _MIN_GAP_S))
-                s.bias_n += 1
+                total, n = s.bias.get(o.outcome, (0.0, 0))
+                ratio = math.log(max(gap, _MIN_GAP_S) / max(s.class_median, _MIN_GAP_S))
+                s.bias[o.outcome] = (total + ratio, n + 1)
         s.turns += 1
         s.outlook = None
         self._mature(at)  # after counting this turn: a return at the maturity instant is a return
