@@ -61,18 +61,23 @@ class Sample:
 
 
 @contextmanager
-def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Console) -> Iterator[str]:
-    """A stack of our own in a temp state dir; yields the ingress base URL; always `kvmesh down`."""
+def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Console,
+                  extra_env: dict[str, str] | None = None, state_dir: Path | None = None) -> Iterator[str]:
+    """A stack of our own in a temp state dir; yields the ingress base URL; always `kvmesh down`.
+
+    `extra_env` adds settings (`KVMESH_...`) for every service of the stack; `state_dir` (instead
+    of a temp dir) lets the caller read the stack's state file (`stack.json`: every endpoint)."""
     from shared.stack.servers import free_port
 
     kvmesh = str(Path(sys.executable).parent / "kvmesh")
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as scratch:
+        tmp = str(state_dir or scratch)
         port = free_port()
         env = {**os.environ, "KVMESH_API_KEYS": f"{KEY}:bench", "KVMESH_INGRESS__PORT": str(port),
                "KVMESH_ENGINE__ENABLE_PREFIX_CACHING": "true" if cache else "false", "KVMESH_LOG_LEVEL": "warning",
                "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000", "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000",
                # cache off: no L3 either, so the baseline pays no lookups for blocks it may not use
-               "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 and cache else "false"}
+               "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 and cache else "false", **(extra_env or {})}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
                 "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", str(cfg.prefill),
                 "--decode", str(cfg.decode), "--timeout", "180"]

@@ -86,6 +86,24 @@ def serve(
 
 
 @app.command()
+def agents(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent agent sessions (trajectories, round-robin).")] = 12,
+    max_steps: Annotated[int, typer.Option(min=1, help="Tool-calling steps per session.")] = 10,
+    l1_blocks: Annotated[int, typer.Option(min=64, help="KV pool blocks per worker (small: eviction matters).")] = 3072,
+    l2_blocks: Annotated[int, typer.Option(min=0, help="Host-memory tier per worker, in blocks.")] = 1024,
+    arrival_rate: Annotated[float, typer.Option(min=0.01, help="Sessions starting per second (Poisson).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and tool latencies.")] = 0,
+) -> None:
+    """Agent sessions (SWE-agent tool loops) on a small L1: session-aware retention + prefetch vs LRU."""
+    from bench.agents import AgentsBenchConfig, run_agents_bench
+
+    cfg = AgentsBenchConfig(sessions=sessions, max_steps=max_steps, l1_blocks=l1_blocks, l2_blocks=l2_blocks,
+                            arrival_rate=arrival_rate, seed=seed)
+    typer.echo(json.dumps(run_agents_bench(cfg), indent=None if json_out else 2))
+
+
+@app.command()
 def index(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
     blocks: Annotated[int, typer.Option(help="Blocks indexed (chains over 8 workers' L1/L2, some L3).")] = 1_000_000,

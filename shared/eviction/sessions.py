@@ -13,8 +13,8 @@ says so when its turn ends (shared/sessions/events.py). For each
      worker's L1 until the predictor's deadline (a high quantile of the gap,
      so the pin outlives most tool runs) plus `pin_margin_s`, within the
      session pin budget (`pin_fraction` of the worker's L1); past the budget
-     the pins of the sessions expected back latest give way, or this one is
-     not pinned;
+     the pins of the sessions expected back after it give way (latest
+     first), or it is not pinned now and tried again as a prefetch;
    - back later (an answer, a person reading): no pin, so the blocks go down
      to L2/L3 under pressure like any others; `prefetch_lead_s` before the
      predicted return (if a return is likely: `min_p_return`) a `Retain` with
@@ -78,7 +78,9 @@ class SessionRetention:
         self.counts = RetentionCounts()
 
     def pinned_blocks(self, worker: str, now: float) -> int:
-        return sum(len(s.chain) for s in self.sessions.values() if s.worker == worker and s.pinned_until > now)
+        """Distinct blocks the planner has pinned on `worker` (a shared system prompt counts once)."""
+        return len(set().union(*(s.chain for s in self.sessions.values()
+                                 if s.worker == worker and s.pinned_until > now)))
 
     def on_event(self, ev: SessionEvent, now: float) -> list[WorkerCommand]:
         key = (ev.tenant, ev.session_id)
@@ -108,7 +110,11 @@ class SessionRetention:
         s = self.settings
         if session.expected_at - now <= s.pin_horizon_s:
             cmd = self._retain(session, now, fetch=False)
-            return [cmd] if cmd is not None else []
+            if cmd is not None:
+                return [cmd]
+            # No room now: pins lapse as sessions come back, so try again as a prefetch before it returns.
+            session.prefetch_at = session.expected_at - s.prefetch_lead_s
+            return []
         if session.expected_at < math.inf and outlook.p_return >= s.min_p_return:
             session.prefetch_at = session.expected_at - s.prefetch_lead_s
         return []
@@ -192,21 +198,22 @@ class SessionRetention:
         return WorkerCommand(worker=session.worker, command_id=cid, command=cmd)
 
     def _make_room(self, session: TrackedSession, now: float) -> bool:
-        """Fit `session`'s chain in its worker's pin budget, unpinning sessions expected back later."""
-        need = len(session.chain)
-        if need > self.pin_budget:
+        """Fit `session`'s chain in its worker's pin budget (distinct blocks: what its sessions share
+        counts once), unpinning the sessions expected back after it, latest first."""
+        if len(set(session.chain)) > self.pin_budget:
             return False
-        pinned = [s for s in self.sessions.values()
-                  if s.worker == session.worker and s.pinned_until > now and s is not session]
-        used = sum(len(s.chain) for s in pinned)
-        for other in sorted(pinned, key=lambda s: s.expected_at, reverse=True):
-            if used + need <= self.pin_budget or other.expected_at <= session.expected_at:
-                break
+        pinned = sorted((s for s in self.sessions.values()
+                         if s.worker == session.worker and s.pinned_until > now and s is not session),
+                        key=lambda s: s.expected_at)
+
+        def used(kept: list[TrackedSession]) -> int:
+            return len(set(session.chain).union(*(s.chain for s in kept)))
+
+        while pinned and used(pinned) > self.pin_budget and pinned[-1].expected_at > session.expected_at:
             # Its pin on the worker lapses at its own time (pins only extend); the engine's pin
             # budget is the hard limit, this one decides who is worth asking for.
-            other.pinned_until = 0.0
-            used -= len(other.chain)
-        return used + need <= self.pin_budget
+            pinned.pop().pinned_until = 0.0
+        return used(pinned) <= self.pin_budget
 
     def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
         if not session.worker:

@@ -110,6 +110,15 @@ def test_the_budget_gives_way_to_sessions_back_sooner() -> None:
     assert p.counts.budget_refusals == 1
 
 
+def test_a_shared_system_prompt_counts_once_in_the_budget() -> None:
+    p = planner()  # budget: 40 blocks
+    system = [f"sys{i}" for i in range(30)]
+    for name in ("a", "b", "c"):
+        chain = chain_in(p.view, "w1", [*system, f"{name}1", f"{name}2", f"{name}3"])
+        assert p.on_event(event(name, chain, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
+    assert p.pinned_blocks("w1", T0) == 39 and p.counts.budget_refusals == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 30), st.sampled_from(list(TurnOutcome)),
                           st.floats(0.5, 1000.0), st.sampled_from(["w1", "w2"])), min_size=1, max_size=40))

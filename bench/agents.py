@@ -1,0 +1,169 @@
+"""`kvmesh bench agents`: concurrent agent sessions through the local stack, session-aware vs LRU, one run.
+
+The workload (bench/agent_workload.py) replays SWE-agent trajectories as
+OpenAI tool-calling loops: every session's calls extend each other, and
+between two calls the agent runs a tool for seconds. The stack's L1 is
+small (`l1_blocks` per worker) so that the sessions' contexts do not all
+fit and eviction decides who hits; L2 is as small (`l2_blocks`' worth of
+bytes) so a session evicted from L1 cannot simply come back from host memory.
+
+Two modes, each on a fresh stack with the same model, settings and prompts:
+
+- `lru`: session events ignored (`KVMESH_EVICTION__SESSIONS__ENABLED=false`),
+  LRU in the workers and in the eviction service's advice;
+- `session`: the session planner on (retention pins while a tool runs,
+  prefetch before a predicted return, ended sessions demoted first).
+
+Per mode: TTFT p50/p99, cached-token ratio, and every request's output
+tokens; `same_outputs` says whether both modes answered every request
+identically (cache transparency: the cache may change speed, never tokens).
+`ttft_p99_ratio_lru_vs_session` above 1 means session-aware retention wins.
+Progress on stderr; one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from bench.agent_workload import AgentSession, AgentWorkload, build_agent_workload
+from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, _pct, running_stack
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class AgentsBenchConfig:
+    sessions: int = 12
+    max_steps: int = 10  # calls per session after the first
+    max_tokens: int = 8
+    arrival_rate: float = 1.0  # sessions starting per second
+    l1_blocks: int = 3072  # per worker: about a quarter of the sessions' peak contexts together
+    l2_blocks: int = 1024
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    session: str
+    k: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output: tuple[int, ...] | str
+
+
+async def _call(client, model: str, s: AgentSession, k: int, tools: list[dict], max_tokens: int) -> Call:
+    started = time.perf_counter()
+    first, parts, usage = None, [], None
+    stream = await client.chat.completions.create(
+        model=model, messages=s.messages(k), tools=tools, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-session-id": s.name})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first = first or time.perf_counter()
+                parts.append(choice.delta.content)
+    end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("stream ended without usage")
+    cached = (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0) or 0
+    return Call(s.name, k, (first or end) - started, usage.prompt_tokens, cached, "".join(parts))
+
+
+async def drive(base_url: str, model: str, w: AgentWorkload, cfg: AgentsBenchConfig, say: Console,
+                label: str) -> list[Call]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=900)
+    calls: list[Call] = []
+    t0 = time.perf_counter()
+
+    async def run(s: AgentSession) -> None:
+        await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
+        for k in range(len(s.steps) + 1):
+            calls.append(await _call(client, model, s, k, w.tools, cfg.max_tokens))
+            if k < len(s.steps):
+                await asyncio.sleep(s.steps[k].tool_s)  # the agent runs the tool it just called
+        say.log(f"{label}: {s.name} done ({len(calls)}/{w.requests} calls)", highlight=False)
+
+    await asyncio.gather(*(run(s) for s in w.sessions))
+    await client.close()
+    return calls
+
+
+def summarize(calls: list[Call]) -> dict:
+    ttft = [c.ttft_s * 1000 for c in calls]
+    prompt = sum(c.prompt_tokens for c in calls)
+    return {"requests": len(calls), "ttft_ms_p50": round(_pct(ttft, 0.5), 1), "ttft_ms_p99": round(_pct(ttft, 0.99), 1),
+            "ttft_ms_mean": round(sum(ttft) / max(1, len(ttft)), 1), "prompt_tokens": prompt,
+            "cached_token_ratio": round(sum(c.cached_tokens for c in calls) / max(1, prompt), 4)}
+
+
+# What the session planner and the ingress did, from their /metrics (counters summed over labels).
+WATCHED = ("kvmesh_session_", "kvmesh_ingress_session_events")
+
+
+def session_counters(state_dir: Path) -> dict[str, float]:
+    """The stack's session counters, read from every service endpoint in its state file."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
+        if not ep["url"].startswith("http://") or ep["check"] != "http":
+            continue
+        reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
+        if reply.status_code != 200:  # not a kvmesh service (a server's console)
+            continue
+        for family in text_string_to_metric_families(reply.text):
+            if family.name.startswith(WATCHED) and family.type == "counter":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        key = sample.name + "".join(f"_{v}" for v in sample.labels.values())
+                        out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
+    from shared.engine.presets import write_preset
+    from shared.stack.model import DEFAULT_PRESET
+
+    say = Console(stderr=True)
+    w = build_agent_workload(REPO_ROOT, cfg.sessions, seed=cfg.seed, arrival_rate=cfg.arrival_rate,
+                             max_steps=cfg.max_steps)
+    result: dict = {"sessions": len(w.sessions), "requests": w.requests, "l1_blocks": cfg.l1_blocks,
+                    "l2_blocks": cfg.l2_blocks, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
+    outputs: dict[str, dict[tuple[str, int], tuple[int, ...] | str]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
+        model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
+        kv_block_bytes = 512 * BLOCK_TOKENS  # the agent preset: 2 layers x 2 KV heads x 16 dims x K,V x fp32
+        base = {"KVMESH_ENGINE__NUM_BLOCKS": str(cfg.l1_blocks), "KVMESH_ENGINE__BLOCK_SIZE": str(BLOCK_TOKENS),
+                "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
+        modes = {
+            "lru": {"KVMESH_EVICTION__SESSIONS__ENABLED": "false", "KVMESH_EVICTION__POLICY": "lru"},
+            "session": {"KVMESH_EVICTION__SESSIONS__ENABLED": "true"},
+        }
+        stack_cfg = ServeBenchConfig(model_dir=model_dir)
+        for mode, env in modes.items():
+            state_dir = Path(tmp) / f"stack-{mode}"
+            state_dir.mkdir()
+            with running_stack(model_dir, stack_cfg, True, say, {**base, **env}, state_dir) as url:
+                say.log(f"{mode}: {len(w.sessions)} sessions, {w.requests} calls")
+                calls = asyncio.run(drive(url, model_dir.name, w, cfg, say, mode))
+                counters = session_counters(state_dir)
+            result[mode] = summarize(calls) | {"session_counters": counters}
+            outputs[mode] = {(c.session, c.k): c.output for c in calls}
+    lru, ses = result["lru"], result["session"]
+    result["same_outputs"] = outputs["lru"] == outputs["session"]
+    result["ttft_p99_ratio_lru_vs_session"] = round(lru["ttft_ms_p99"] / max(1e-9, ses["ttft_ms_p99"]), 3)
+    result["ttft_p50_ratio_lru_vs_session"] = round(lru["ttft_ms_p50"] / max(1e-9, ses["ttft_ms_p50"]), 3)
+    return result
