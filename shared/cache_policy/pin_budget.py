@@ -19,8 +19,8 @@ from collections.abc import Sequence
 # for the few closest to returning against a burst of new prompts, and
 # the rest of the pool must hold the prompts being prefilled (their blocks
 # cannot go while they run) and what the ranking keeps. A quarter: on the
-# agent trace 0.25 beats no pins where L1 is smallest (2 %) and costs < 1 %
-# of hits elsewhere; a half costs 1-2 % at 4-15 % (docs/agent-sessions.md).
+# agent trace it beats no pins where L1 is smallest (2 %) and costs under a
+# point of hit rate elsewhere; a half costs up to 1.3 points (docs/agent-sessions.md).
 DEFAULT_PIN_FRACTION = 0.25
 DEFAULT_SESSION_SHARE = 0.25  # of the budget: one session never pins more than a quarter of it
 

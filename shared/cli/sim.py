@@ -47,6 +47,8 @@ def sim(
     policy: Annotated[list[str] | None, typer.Option(help=POLICY_HELP)] = None,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also sweep L1 from 2% to 30% of the unique blocks (JSON 'sweep').")] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the sweep here (without --sweep: 1%..50%).")] = None,
+    pin_fraction: Annotated[float | None, typer.Option(
+        help="Share of L1 that session pins may hold (default: each policy's own; continuum: unbounded).")] = None,
     geometry: Annotated[str, typer.Option(help="Model geometry of the TTFT model: 8b or 70b.")] = "8b",
     l2_gbps: Annotated[float | None, typer.Option(help="L2 -> GPU restore rate of the TTFT model, GB/s.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
@@ -65,6 +67,8 @@ def sim(
         names = resolve_names(policy)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if pin_fraction is not None and not 0.0 <= pin_fraction <= 1.0:
+        raise typer.BadParameter("--pin-fraction must be in [0, 1]")
     if geometry not in ("8b", "70b"):
         raise typer.BadParameter("--geometry must be 8b or 70b")
     data = load_trace(trace)
@@ -79,11 +83,12 @@ def sim(
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(f"replay @ L1 {capacity} / L2 {l2} blocks", total=len(names) * len(data.requests))
         results = run_all_tiers(data, names, capacity,
-                                ReplayOptions(l2_capacity=l2, ttft=model, progress=lambda n: bar.advance(task, n)))
+                                ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction, ttft=model,
+                                              progress=lambda n: bar.advance(task, n)))
         if sweep or plot is not None:
             sweep_task = bar.add_task("L1 sweep", total=len(fractions) * len(names) * len(data.requests))
             curves = run_sweep(data, names, fractions, lambda n: bar.advance(sweep_task, n),
-                               options=ReplayOptions(l2_capacity=l2))
+                               options=ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction))
 
     if plot is not None and curves is not None:
         from shared.sim.plot import plot_sweep
@@ -108,6 +113,7 @@ def sim(
                                | {"mean_abs": r6(sum(map(abs, r.prediction_errors_s)) / len(r.prediction_errors_s))}
                                for n, r in results.items() if r.prediction_errors_s},
         "pinned_max_blocks": {n: r.pinned_max for n, r in results.items() if r.pinned_max},
+        "pin_fraction": pin_fraction,
         "ttft_model": model.describe(),
     }
     if curves is not None:

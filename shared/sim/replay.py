@@ -53,6 +53,7 @@ class ReplayResult:
 @dataclass(slots=True)
 class ReplayOptions:
     l2_capacity: int = 0
+    pin_fraction: float | None = None  # session pins' share of L1 (None: the policy's own)
     ttft: TTFTModel | None = None
     progress: Progress | None = None
     on_request: Callable[[int], None] | None = None  # before request i (an oracle follows the replay)
@@ -67,7 +68,7 @@ def replay(trace: Trace, policy: EvictionPolicy, capacity: int, progress: Progre
     on_request = on_request or opts.on_request
     cache = TieredCache(policy, capacity, opts.l2_capacity)
     opts.tiers.append(cache)
-    driver = SessionDriver(policy, cache) if isinstance(policy, SessionAware) else None
+    driver = SessionDriver(policy, cache, pin_fraction=opts.pin_fraction) if isinstance(policy, SessionAware) else None
     hits = l1_hits = total = 0
     ttft: list[float] = []
     for i, request in enumerate(trace.requests):

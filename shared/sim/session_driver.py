@@ -25,13 +25,15 @@ from shared.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 class SessionDriver:
     policy: SessionAware
     cache: TieredCache
+    pin_fraction: float | None = None  # None: the policy's own
     inference: SessionInference = field(default_factory=SessionInference)
     budget: PinBudget = field(init=False)
     errors: list[float] = field(default_factory=list)  # signed return-time prediction errors (s)
     pinned_max: int = 0  # the most blocks pinned at once (after a grant)
 
     def __post_init__(self) -> None:
-        self.budget = PinBudget.for_pool(self.cache.l1.capacity, self.policy.pin_fraction)
+        fraction = self.policy.pin_fraction if self.pin_fraction is None else self.pin_fraction
+        self.budget = PinBudget.for_pool(self.cache.l1.capacity, fraction)
 
     def session_of(self, request: TraceRequest) -> str:
         full = request.blocks[: request.input_length // TRACE_BLOCK_TOKENS]
