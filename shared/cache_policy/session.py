@@ -61,6 +61,7 @@ class SessionPolicy:
         return self.params.pin_fraction
 
     def priority(self, info: BlockInfo, now: float) -> float:
+        """Fixed between the session's events (its re-estimates are events): fits the lazy heap."""
         return -self.book.next_use(info.block_hash, info.last_access)
 
     def admit(self, info: BlockInfo, now: float) -> bool:

@@ -16,7 +16,9 @@ block belongs to the latest session whose turn sent it. Per session:
 
 A block several sessions sent (a shared system prompt) follows its latest
 session, except that it outlives that session's end: an ended session's
-*unshared* blocks go first. An unknown block gets the prior of a first
+*unshared* blocks go first, and so do the blocks a session's new turn no
+longer sends (its context was rewritten, or the block was the ragged end of
+the previous prompt, now filled with the answer). An unknown block gets the prior of a first
 answer turn that ended at its last access.
 
 The next use of a session changes only at its turn events and at its
@@ -37,6 +39,9 @@ from shared.sessions.events import TurnOutcome
 from shared.sessions.predict import Outlook, ReturnPredictor
 
 
+_NOBODY = ""  # the owner of a block its session no longer sends
+
+
 @dataclass(frozen=True, slots=True)
 class BookConfig:
     max_blocks: int = 1 << 19
@@ -54,7 +59,8 @@ class _Block:
 @dataclass(slots=True)
 class _Session:
     blocks: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
-    next_use: float | None = None  # None: nothing known (use the prior)
+    # a time (in a turn: in use since then; inf: ended), an Outlook (away), None (nothing known: the prior)
+    state: float | Outlook | None = None
     version: int = 0  # bumped by every turn event: stale checkpoints are ignored
 
 
@@ -77,6 +83,7 @@ class SessionBook:
         self.advance(at)
         error = self.predictor.turn_started(session_id, at)
         s = self._session(session_id)
+        self._drop_unsent(s, hashes)
         self.bind(session_id, hashes, at)
         self._set(s, at)
         return error
@@ -93,7 +100,7 @@ class SessionBook:
         if o is None or o.outcome is TurnOutcome.ENDED:
             self._set(s, math.inf)
             return
-        self._set(s, o.next_use())
+        self._set(s, o)
         for t in o.checkpoints():
             self._seq += 1
             heapq.heappush(self._checkpoints, (t, self._seq, session_id, s.version))
@@ -129,18 +136,21 @@ class SessionBook:
             o = self.predictor.outlook(session_id)
             if s is None or s.version != version or o is None:
                 continue  # a newer turn event superseded it
-            self._set(s, o.given_absent(t).next_use(), bump=False)
+            self._set(s, o.given_absent(t), bump=False)
 
     # -- what policies read ---------------------------------------------------
 
     def next_use(self, block_hash: bytes, last_access: float) -> float:
-        """Expected time of the block's next read (inf: not expected again)."""
+        """Expected time of the block's next read (inf: not expected again), as of its session's latest event."""
         b = self._blocks.get(block_hash)
-        s = self._sessions.get(b.session) if b is not None else None
-        t = s.next_use if s is not None else None
-        if t is None or (t == math.inf and b is not None and b.shared):
-            t = self.predictor.prior(last_access).next_use()  # unknown, or another session may want it
-        return t
+        if b is not None and b.session == _NOBODY:
+            state: float | Outlook | None = math.inf  # its session moved on without it
+        else:
+            s = self._sessions.get(b.session) if b is not None else None
+            state = s.state if s is not None else None
+        if state is None or (state == math.inf and b is not None and b.shared):
+            state = self.predictor.prior(last_access)  # unknown, or another session may want it
+        return state.next_use() if isinstance(state, Outlook) else state
 
     def take_changed(self) -> set[bytes]:
         """Blocks whose next use moved since the last call (to re-key), and forget them."""
@@ -170,11 +180,21 @@ class SessionBook:
             self._sessions.move_to_end(session_id)
         return s
 
-    def _set(self, s: _Session, next_use: float, bump: bool = True) -> None:
+    def _drop_unsent(self, s: _Session, hashes: Sequence[bytes]) -> None:
+        """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead."""
+        sent = set(hashes)
+        for h in [h for h in s.blocks if h not in sent]:
+            del s.blocks[h]
+            b = self._blocks.get(h)
+            if b is not None:
+                b.session = _NOBODY
+            if self.config.track_changes:
+                self._changed.add(h)
+
+    def _set(self, s: _Session, state: float | Outlook, bump: bool = True) -> None:
         if bump:
             s.version += 1
-        if s.next_use != next_use:
-            s.next_use = next_use
+        if s.state != state:
+            s.state = state
             if self.config.track_changes:
                 self._changed.update(s.blocks)
-

@@ -106,16 +106,20 @@ class Outlook:
         p = self.p_return * share / (1.0 - self.p_return + self.p_return * share)
         return replace(self, expected_at=expected, p_return=p, as_of=now)
 
-    def next_use(self) -> float:
-        """The time until return stretched by the odds of returning at all: inf if it never will.
+    def next_use(self, now: float | None = None) -> float:
+        """The expected return plus the odds against it times the time still to wait: inf if it never comes.
 
-        Ranking blocks by it ranks them by expected reads per second kept (a
-        hazard rate): Belady's "farthest next use" when returns are uncertain.
+        ``E + (1/p - 1) * max(E - t, 0)`` at ``t = now`` (default: ``as_of``):
+        the time until return stretched by the odds of returning at all, so
+        ranking blocks by it ranks them by expected reads per second kept (a
+        hazard rate), Belady's "farthest next use" when returns are uncertain.
+        It falls towards ``E`` as ``now`` advances; a lazy-heap cache reads it
+        as of the latest re-estimate (``now=None``), which the checkpoints renew.
         """
         if self.p_return <= 0.0 or not math.isfinite(self.expected_at):
             return math.inf
-        start = max(self.as_of, self.ended_at)
-        return start + max(self.expected_at - start, 0.0) / self.p_return
+        start = max(self.as_of, self.ended_at, -math.inf if now is None else now)
+        return self.expected_at + (1.0 / self.p_return - 1.0) * max(self.expected_at - start, 0.0)
 
     def checkpoints(self) -> list[float]:
         """Times at which ``given_absent`` changes much: the window's quantiles after the turn ended."""

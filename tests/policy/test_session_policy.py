@@ -261,3 +261,17 @@ def test_session_policy_meets_the_agent_targets() -> None:
     assert small["lru"] < 0.6 * small["belady"] and large["lru"] > 0.9 * large["belady"], rates  # the regimes meant
     assert small["session"] >= 0.8 * small["belady"] and small["session"] >= 1.5 * small["lru"], rates
     assert large["session"] >= large["lru"], rates
+
+
+def test_blocks_a_new_turn_no_longer_sends_are_dead() -> None:
+    """A rewritten context (or the ragged end of the last prompt) is never read again: it goes first."""
+    book = SessionBook()
+    book.turn_started("s", [b"sys", b"a", b"old"], 0.0)
+    book.turn_started("t", [b"sys", b"b"], 0.5)
+    book.turn_ended("s", 1.0, TOOL, ("bash",))
+    book.turn_started("s", [b"sys", b"a", b"new"], 5.0)
+    book.turn_ended("s", 5.0, TOOL, ("bash",))
+    changed = book.take_changed()
+    assert b"old" in changed and book.next_use(b"old", 1.0) == float("inf")
+    assert book.next_use(b"new", 5.0) < float("inf") and book.next_use(b"sys", 5.0) < float("inf")
+    assert book.session_of(b"old") == "" and book.blocks_of("s") == [b"sys", b"a", b"new"]
