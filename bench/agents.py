@@ -5,7 +5,10 @@ OpenAI tool-calling loops: every session's calls extend each other, and
 between two calls the agent runs a tool for seconds. The stack's L1 is
 small (`l1_blocks` per worker) so that the sessions' contexts do not all
 fit and eviction decides who hits; L2 is as small (`l2_blocks`' worth of
-bytes) so a session evicted from L1 cannot simply come back from host memory.
+bytes) and L3 is off by default (`--l3` turns it on), so a session evicted
+from L1 cannot simply come back from host memory or S3: at the agent
+preset's 8 KiB blocks a restore costs next to nothing on any tier, while a
+recompute queues for the CPU.
 
 Two modes, each on a fresh stack with the same model, settings and prompts:
 
@@ -46,6 +49,7 @@ class AgentsBenchConfig:
     arrival_rate: float = 1.0  # sessions starting per second
     l1_blocks: int = 3072  # per worker: about a quarter of the sessions' peak contexts together
     l2_blocks: int = 1024
+    l3: bool = False  # without S3 an evicted context is recomputed: what retention saves shows in TTFT
     seed: int = 0
 
 
@@ -141,7 +145,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
     w = build_agent_workload(REPO_ROOT, cfg.sessions, seed=cfg.seed, arrival_rate=cfg.arrival_rate,
                              max_steps=cfg.max_steps)
     result: dict = {"sessions": len(w.sessions), "requests": w.requests, "l1_blocks": cfg.l1_blocks,
-                    "l2_blocks": cfg.l2_blocks, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
+                    "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
     outputs: dict[str, dict[tuple[str, int], tuple[int, ...] | str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
         model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
@@ -152,7 +156,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
             "lru": {"KVMESH_EVICTION__SESSIONS__ENABLED": "false", "KVMESH_EVICTION__POLICY": "lru"},
             "session": {"KVMESH_EVICTION__SESSIONS__ENABLED": "true"},
         }
-        stack_cfg = ServeBenchConfig(model_dir=model_dir)
+        stack_cfg = ServeBenchConfig(model_dir=model_dir, l3=cfg.l3)
         for mode, env in modes.items():
             state_dir = Path(tmp) / f"stack-{mode}"
             state_dir.mkdir()
