@@ -158,8 +158,9 @@ class SessionBook:
         return changed
 
     def session_of(self, block_hash: bytes) -> str | None:
+        """The latest session that sent the block and still does (None: unknown, or dropped by it)."""
         b = self._blocks.get(block_hash)
-        return None if b is None else b.session
+        return None if b is None or b.session == _NOBODY else b.session
 
     def blocks_of(self, session_id: str) -> list[bytes]:
         s = self._sessions.get(session_id)
