@@ -49,8 +49,9 @@ from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.messages import Heartbeat, Role
 from shared.protocol.streams import KV_EVENTS, SESSIONS
+from shared.cache_policy.session import SessionAware
+from shared.sessions.book import BookConfig, SessionBook
 from shared.sessions.events import SessionEvent
-from shared.sessions.predict import ReturnPredictor
 from shared.service.watch import Change, follow_workers
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import Miss, Tier
@@ -74,7 +75,12 @@ class EvictionService:
         self.view = OccupancyView()
         self.pins = PinTable()
         self.advisor = Advisor(self.view, self.pins, self.policy, settings, l1_capacity)
-        self.retention = SessionRetention(self.view, ReturnPredictor(), settings.sessions, l1_capacity)
+        # One book of sessions for the planner's pins and, with the session-aware policy, the advisor's
+        # ranking (which ranks afresh every tick: no re-key sets to collect).
+        book = SessionBook(config=BookConfig(track_changes=False))
+        if isinstance(self.policy, SessionAware):
+            self.policy.book = book
+        self.retention = SessionRetention(self.view, book, settings.sessions, l1_capacity)
         self.l3_objects: list[L3Object] = []
         self._verified: set[tuple[str, str]] = set()  # (key, etag) of L3 objects a scrub read intact
         self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status

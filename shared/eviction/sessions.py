@@ -4,10 +4,14 @@ Offline Belady wins by knowing when a block is next used; an agent session
 says so when its turn ends (shared/sessions/events.py). For each
 `SessionEvent` the planner
 
-1. tells the `ReturnPredictor` the turn started (`started_at`: it learns the
-   gap since the last turn; its error goes to a metric) and how it ended;
-2. finds the session's chain: `last_hash` walked back through the parent
+1. finds the session's chain: `last_hash` walked back through the parent
    links the KV events gave (`OccupancyView.stats`);
+2. tells the `SessionBook` (and through it the `ReturnPredictor`) the turn
+   started (`started_at`: the gap since the last turn is learned; the
+   prediction's error goes to a metric), which blocks it sent, and how it
+   ended. The book is the one the session-aware policy ranks by
+   (shared/cache_policy/session.py), so the advisor's demotions and these
+   pins read the same predictions;
 3. advises by the predicted return:
    - back within `pin_horizon_s` (a tool call): `Retain` the chain in the
      worker's L1 until the predictor's deadline (a high quantile of the gap,
@@ -37,8 +41,8 @@ from dataclasses import dataclass, field
 from shared.config import SessionRetentionSettings
 from shared.eviction.messages import Demote, Retain, WorkerCommand
 from shared.eviction.occupancy import OccupancyView
+from shared.sessions.book import SessionBook
 from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.predict import ReturnPredictor
 from shared.tiers.miss import Tier
 
 
@@ -69,9 +73,9 @@ class RetentionCounts:
 class SessionRetention:
     """`on_event(ev, now)` and `tick(now)` return the commands to send; `counts` feeds the metrics."""
 
-    def __init__(self, view: OccupancyView, predictor: ReturnPredictor, settings: SessionRetentionSettings,
+    def __init__(self, view: OccupancyView, book: SessionBook, settings: SessionRetentionSettings,
                  l1_capacity: int) -> None:
-        self.view, self.predictor, self.settings = view, predictor, settings
+        self.view, self.book, self.settings = view, book, settings
         self.pin_budget = int(settings.pin_fraction * l1_capacity)
         self.sessions: OrderedDict[tuple[str, str], TrackedSession] = OrderedDict()
         self.claims: dict[bytes, int] = {}  # block -> tracked sessions whose chain holds it
@@ -84,24 +88,23 @@ class SessionRetention:
 
     def on_event(self, ev: SessionEvent, now: float) -> list[WorkerCommand]:
         key = (ev.tenant, ev.session_id)
-        sid = self._predictor_id(key)
+        sid = self._book_id(key)
         old = self.sessions.get(key)
+        chain = self._chain(ev)
         if ev.started_at is not None:
             if old is not None and old.prefetch_at is not None and ev.started_at < old.prefetch_at:
                 self.counts.late_prefetches += 1
-            err = self.predictor.turn_started(sid, ev.started_at)
+            err = self.book.turn_started(sid, chain, ev.started_at)
             if err is not None:
                 self.counts.errors.append(err)
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
-        self.predictor.turn_ended(sid, ev.at, ev.outcome, ev.tools, hint)
-        chain = self._chain(ev)
+        self.book.turn_ended(sid, ev.at, ev.outcome, ev.tools, hint, hashes=chain)
         session = self._track(key, ev, chain)
         if ev.outcome is TurnOutcome.ENDED:
             out = self._demote_unshared(session)
             self._forget(key)
-            self.predictor.forget(sid)
             return out
-        outlook = self.predictor.outlook(sid)
+        outlook = self.book.outlook(sid)
         session.expected_at = outlook.expected_at if outlook is not None else math.inf
         session.deadline = outlook.deadline if outlook is not None else math.inf
         session.pinned_until, session.prefetch_at, session.prefetched_at = 0.0, None, None
@@ -121,6 +124,7 @@ class SessionRetention:
 
     def tick(self, now: float) -> list[WorkerCommand]:
         """Prefetches that are due; lapsed pins of prefetched sessions that never came back are counted."""
+        self.book.advance(now)
         out: list[WorkerCommand] = []
         for session in list(self.sessions.values()):
             if session.prefetched_at is not None and 0.0 < session.pinned_until <= now:
@@ -138,7 +142,7 @@ class SessionRetention:
     # --- internals ---------------------------------------------------------
 
     @staticmethod
-    def _predictor_id(key: tuple[str, str]) -> str:
+    def _book_id(key: tuple[str, str]) -> str:
         return f"{key[0]}\x1f{key[1]}"
 
     def _chain(self, ev: SessionEvent) -> list[bytes]:
@@ -167,8 +171,7 @@ class SessionRetention:
         self.sessions[key] = session  # most recently active last
         while len(self.sessions) > self.settings.max_sessions:
             oldest = next(iter(self.sessions))
-            self._forget(oldest)
-            self.predictor.forget(self._predictor_id(oldest))
+            self._forget(oldest)  # the book bounds its own sessions
         return session
 
     def _forget(self, key: tuple[str, str]) -> None:

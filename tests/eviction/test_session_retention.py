@@ -8,12 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.cache_policy.base import BlockInfo
+from shared.cache_policy.session import SessionPolicy
 from shared.config import SessionRetentionSettings
+from shared.eviction.decisions import Watermarks, plan_demotion
 from shared.eviction.messages import Demote, Retain
 from shared.eviction.occupancy import OccupancyView, WorkerOccupancy
 from shared.eviction.sessions import SessionRetention
 from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.predict import ReturnPredictor
+from shared.sessions.book import SessionBook
 from shared.tiers.miss import Tier
 
 T0 = 1_000_000.0
@@ -48,7 +50,7 @@ def event(session: str, chain: list[bytes], outcome: TurnOutcome, at: float, *, 
 
 
 def planner(view: OccupancyView | None = None) -> SessionRetention:
-    return SessionRetention(view or OccupancyView(), ReturnPredictor(), RULES, L1)
+    return SessionRetention(view or OccupancyView(), SessionBook(), RULES, L1)
 
 
 def test_a_tool_call_pins_the_chain_until_its_return() -> None:
@@ -117,6 +119,17 @@ def test_a_shared_system_prompt_counts_once_in_the_budget() -> None:
         chain = chain_in(p.view, "w1", [*system, f"{name}1", f"{name}2", f"{name}3"])
         assert p.on_event(event(name, chain, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
     assert p.pinned_blocks("w1", T0) == 39 and p.counts.budget_refusals == 0
+
+
+def test_the_advisor_ranks_by_the_planners_book() -> None:
+    p = planner()
+    policy = SessionPolicy(book=p.book)  # what the service wires when its policy is session-aware
+    tool = chain_in(p.view, "w1", ["t1", "t2"])
+    idle = chain_in(p.view, "w1", ["i1", "i2"])
+    p.on_event(event("idle", idle, TurnOutcome.ANSWER, T0, hint_s=3600.0), T0)
+    p.on_event(event("tool", tool, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
+    victims = plan_demotion(p.view.blocks("w1", Tier.L1), 4, Watermarks(0.5, 0.5), policy, T0 + 1, lambda h: False)
+    assert victims == [idle[1], idle[0]]  # the session back in an hour leaves L1, leaf first; the tool call stays
 
 
 @settings(max_examples=60, deadline=None)
