@@ -21,7 +21,7 @@ from collections.abc import Sequence
 # prefilled (their blocks cannot go while they run) and what the ranking
 # keeps. A tenth: on the agent trace it matches no pins within 0.2 points
 # from 3 % to 30 % of the unique blocks and gains where L1 is smallest;
-# a quarter or a half costs 1-2.5 points at 4-10 % (docs/agent-sessions.md).
+# a quarter costs up to 0.9 points and a half up to 2.3 at 4-10 % (docs/agent-sessions.md).
 DEFAULT_PIN_FRACTION = 0.1
 DEFAULT_SESSION_SHARE = 0.25  # of the budget: one session never pins more than a quarter of it
 
