@@ -133,6 +133,14 @@ class PolicyCache:
         info = self.blocks[block_hash]
         info.pinned_until = max(info.pinned_until, until)
 
+    def touch(self, block_hash: bytes, now: float) -> bool:
+        """A read of a cached block outside ``insert`` (a lower tier serving a request); False if not cached."""
+        info = self.blocks.get(block_hash)
+        if info is None:
+            return False
+        self._touch(info, BlockSpec(block_hash), now)
+        return True
+
     def rekey(self, hashes: Iterable[bytes], now: float) -> None:
         """Recompute the eviction key of those ``hashes`` that are cached, unparked leaves."""
         for h in hashes:

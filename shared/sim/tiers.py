@@ -42,9 +42,11 @@ class TieredCache:
         hits = self.lookup(hashes)
         result = self.l1.insert(specs, now)
         if self.l2 is not None:
-            for h in hashes[hits.l1:]:  # promoted, or recomputed past a gap: L1 holds them now
-                if h in self.l1 and h in self.l2:
+            for h in hashes[hits.l1:]:
+                if h in self.l1:  # promoted, or recomputed past a gap: L1 holds it now
                     self.l2.remove(h, now)
+                else:  # L1 did not take it: it was still read here, which its rank must know
+                    self.l2.touch(h, now)
             for info in result.evicted_blocks:
                 self.l2.adopt(info, now)
         return hits

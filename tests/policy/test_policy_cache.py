@@ -99,3 +99,12 @@ def test_the_default_fills_free_room_but_guards_evictions() -> None:
     assert (r.inserted, len(r.evicted)) == (1, 1)
     r = cache.insert(chain("p", pin=10.0), 4)  # pinned: cached on its first request
     assert r.inserted == 1 and "p" in cached(cache)
+
+
+def test_touch_outside_insert_refreshes_the_rank() -> None:
+    cache = PolicyCache(LRUPolicy(), 2)
+    cache.insert(chain("a"), 0)
+    cache.insert(chain("b"), 1)
+    assert cache.touch(b"a", 2) and not cache.touch(b"zz", 2)
+    assert cache.blocks[b"a"].last_access == 2
+    assert cache.insert(chain("c"), 3).evicted == [b"b"]  # a was read at 2: b is now the oldest
