@@ -6,7 +6,7 @@ into a real engine's bf16 pool from each tier in turn, the same bytes each
 time, and compared with one memcpy of those bytes (`*_vs_memcpy`, a rate
 ratio: 1.0 = as fast as the copy) and with recomputing the same tokens on
 an H200 (`*_vs_h200_recompute`, a time ratio: below 1 the restore wins;
-bench/recompute_model.py, printed with the result):
+shared/sim/recompute_model.py, printed with the result):
 
 - l2: this worker's host tier (verify + import);
 - peer: another process's L2 over the network path (NATS; no shared memory,
@@ -41,7 +41,7 @@ from rich.progress import Progress
 
 from bench import datapath_paths as paths
 from bench.kv_chain import ChainSpec, chain_blocks
-from bench.recompute_model import GEOMETRIES, describe, recompute_s
+from shared.sim.recompute_model import GEOMETRIES, describe, recompute_s
 from shared.cache_policy.base import LRUPolicy
 from shared.config import EngineSettings
 from shared.engine.engine import Engine

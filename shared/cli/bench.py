@@ -129,7 +129,7 @@ def datapath(
 ) -> None:
     """KV restores (L2, peer, L3, handoff) vs memcpy and modeled H200 recompute; L3 writes of a growing session."""
     from bench.datapath import DatapathConfig, run_datapath_bench
-    from bench.recompute_model import GEOMETRIES
+    from shared.sim.recompute_model import GEOMETRIES
 
     if geometry not in GEOMETRIES:
         raise typer.BadParameter(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")

@@ -1,6 +1,6 @@
 """Modeled time to first token of a replayed request: recompute what missed, restore what L2 held.
 
-    recompute(a -> b) = (prefill_flops(b) - prefill_flops(a)) / (peak x MFU)   (bench/recompute_model.py)
+    recompute(a -> b) = (prefill_flops(b) - prefill_flops(a)) / (peak x MFU)   (shared/sim/recompute_model.py)
     restore(n tokens from L2) = n x kv_bytes_per_token / l2_gbps
 
 L1 hits cost nothing (the KV is already on the device). The L2 part of the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from bench.recompute_model import DEFAULT_MFU, GEOMETRIES, H200_PEAK_BF16_FLOPS, Geometry, prefill_flops
+from shared.sim.recompute_model import DEFAULT_MFU, GEOMETRIES, H200_PEAK_BF16_FLOPS, Geometry, prefill_flops
 
 # Host DRAM -> H200 over PCIe 5.0 x16 (64 GB/s per direction): about half of it for paged, scattered KV.
 DEFAULT_L2_GBPS = 25.0
