@@ -16,7 +16,8 @@ Two modes, each on a fresh stack with the same model, settings and prompts:
   LRU in the workers and in the eviction service's advice;
 - `session`: the session planner on (retention pins while a tool runs,
   prefetch before a predicted return, ended sessions demoted first) and
-  the session-aware policy ranking the eviction service's demotions.
+  the session-aware policy ranking both the eviction service's demotions
+  and each worker's own evictions (shared/serving/session_feed.py).
 
 Per mode: TTFT p50/p99, cached-token ratio, and every request's output
 tokens; `same_outputs` says whether both modes answered every request
@@ -155,7 +156,8 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
                 "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
         modes = {
             "lru": {"KVMESH_EVICTION__SESSIONS__ENABLED": "false", "KVMESH_EVICTION__POLICY": "lru"},
-            "session": {"KVMESH_EVICTION__SESSIONS__ENABLED": "true", "KVMESH_EVICTION__POLICY": "session"},
+            "session": {"KVMESH_EVICTION__SESSIONS__ENABLED": "true", "KVMESH_EVICTION__POLICY": "session",
+                        "KVMESH_ENGINE__EVICTION_POLICY": "session"},
         }
         stack_cfg = ServeBenchConfig(model_dir=model_dir, l3=cfg.l3)
         for mode, env in modes.items():

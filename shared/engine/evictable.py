@@ -73,6 +73,9 @@ class PriorityHeap:
 
     def discard(self, block_id: int) -> None:
         self._live.pop(block_id, None)
+        if len(self._heap) > 4 * len(self._live) + 1024:  # mostly dead entries (re-keys, takes): compact
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
 
     def pop(self) -> int | None:
         while self._heap:

@@ -12,7 +12,7 @@ equal the ones asked for: a collision is a miss, never served.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -196,6 +196,19 @@ class PrefixCache:
 
     def info(self, block: Block) -> BlockInfo | None:
         return self._info.get(block.block_id)
+
+    def rekey(self, hashes: Iterable[BlockHash]) -> int:
+        """Rank again the evictable blocks among `hashes` whose priority moved outside their own accesses
+        (a session-aware policy learned when their session is back); how many were re-ranked."""
+        now = self._clock()
+        n = 0
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is not None and block_id in self._evictable:
+                self._evictable.discard(block_id)
+                self._evictable.add(block_id, self._info[block_id], now)
+                n += 1
+        return n
 
     # --- internals ----------------------------------------------------
 

@@ -78,6 +78,8 @@ class PrefillWorker:
             subjects.token(job.decode_worker)
         except ValueError as exc:
             raise PermanentError(f"bad job: {exc}") from None
+        if self.rt.sessions is not None and job.session_id:
+            await self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
         if time.time() >= job.deadline:
             await self._fail(job, "deadline passed before prefill started", retriable=True)
             return

@@ -2,8 +2,9 @@
 
 `WorkerRuntime.start(ctx)` loads `KVMESH_MODEL_DIR` (off the event loop),
 starts the KV event publisher (the engine's listener; L2/L3 changes too),
-the engine thread, the tiers (L2, L3 uploads, peer fetch server) and the
-peer directory, and wires readiness (engine thread alive), load
+the engine thread, the tiers (L2, L3 uploads, peer fetch server), the
+peer directory and, with a session-aware eviction policy, the feed of
+session turns into its book (shared/serving/session_feed.py), and wires readiness (engine thread alive), load
 (live requests) and capacity (`engine.max_num_seqs`) into the service
 context; everything is closed by the runner's stop hooks after the drain.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+from shared.cache_policy.session import SessionAware
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel, load_model
 from shared.kv_events.publisher import KVEventPublisher
@@ -20,6 +22,7 @@ from shared.protocol.streams import ConsumerSpec
 from shared.service.runner import ServiceContext
 from shared.serving.engine_loop import EngineLoop
 from shared.serving.peers import PeerDirectory
+from shared.serving.session_feed import SessionFeed
 from shared.serving.worker_tiers import WorkerTiers
 
 # Jobs end by their own deadline (the ingress sets it); the consumer's hung-handler guard only backs it up.
@@ -37,6 +40,7 @@ class WorkerRuntime:
     tiers: WorkerTiers
     peers: PeerDirectory
     events: KVEventPublisher  # L1 (engine), L2 and L3 changes -> the cache index
+    sessions: SessionFeed | None = None  # with a session-aware engine policy: turns -> its book
 
     @classmethod
     async def start(cls, ctx: ServiceContext) -> WorkerRuntime:
@@ -52,7 +56,11 @@ class WorkerRuntime:
         tiers.counters.export(ctx.metrics.registry)  # checksum/corruption misses visible on /metrics
         peers = PeerDirectory(ctx.js, ctx.worker_id)
         peers.start()
-        rt = cls(loaded, engine, tiers, peers, events)
+        policy = engine.engine.cache.policy
+        sessions = SessionFeed(engine, policy) if isinstance(policy, SessionAware) else None
+        if sessions is not None:
+            await sessions.start(ctx.js)
+        rt = cls(loaded, engine, tiers, peers, events, sessions)
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)
@@ -61,6 +69,8 @@ class WorkerRuntime:
         return rt
 
     async def close(self) -> None:
+        if self.sessions is not None:
+            await self.sessions.stop()
         await self.peers.stop()
         if self.tiers.uploads is not None:
             await self.tiers.uploads.join(timeout_s=5.0)  # what is queued goes out before the process ends

@@ -1,0 +1,105 @@
+"""A worker's own eviction, session-aware: its engine's `SessionBook` fed with the sessions' turns.
+
+With `engine.eviction_policy = "session"`, what the engine evicts when a
+request needs room is ranked by the block's session's predicted next use
+(shared/cache_policy/session.py), as the eviction service ranks its advice.
+In an agent's tool loop that matters most: the session that just left for
+a tool comes back in seconds, but is the least recently used one in the
+pool, which is what LRU evicts first. The worker feeds the book:
+
+- a job's arrival starts a turn of its session with the prompt's blocks;
+- the session's `SessionEvent` (stream SESSIONS, new events only) ends the
+  turn with its outcome, tools and hint;
+- every `tick_s` the book re-estimates sessions still away (`advance`).
+
+After each, the evictable blocks whose rank moved are re-keyed in the prefix
+cache. All of it runs on the engine thread (the book and the cache are the
+engine's), in the engine's monotonic clock: event times (unix seconds) are
+converted on arrival. Advice only: a lost event leaves blocks ranked by the
+prior, never changes what a request computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from shared.cache_policy.session import SessionAware
+from shared.log import get_logger
+from shared.protocol import subjects
+from shared.protocol.base import ProtocolError
+from shared.protocol.streams import SESSIONS
+from shared.serving.engine_loop import EngineLoop
+from shared.sessions.events import SessionEvent
+
+log = get_logger(__name__)
+
+
+def _monotonic(unix_s: float) -> float:
+    return time.monotonic() - (time.time() - unix_s)
+
+
+class SessionFeed:
+    """`start(js)` subscribes; `turn_started` is called by the worker for each job; `stop()` ends it."""
+
+    def __init__(self, engine: EngineLoop, policy: SessionAware, tick_s: float = 1.0) -> None:
+        self.engine, self.policy, self.tick_s = engine, policy, tick_s
+        self.events = 0  # session events applied (for tests and logs)
+        self._sub = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self, js: JetStreamContext) -> None:
+        fresh = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW)  # an old turn's return is long past
+        self._sub = await js.subscribe(subjects.SESSION_EVENTS, stream=SESSIONS.name, cb=self._on_event,
+                                       ordered_consumer=True, config=fresh, idle_heartbeat=1.0)
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._ticker
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def turn_started(self, session_id: str, prompt_ids: Sequence[int], tenant_salt: bytes) -> None:
+        book = self.policy.book
+
+        def start(e) -> None:
+            book.turn_started(session_id, e.block_hashes(prompt_ids, tenant_salt), time.monotonic())
+            e.cache.rekey(book.take_changed())
+        await self.engine.call(start)
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            ev = SessionEvent.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable session event skipped", error=str(exc))
+            return
+        book = self.policy.book
+        hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
+
+        def end(e) -> None:
+            book.turn_ended(ev.session_id, _monotonic(ev.at), ev.outcome, ev.tools, hint)
+            e.cache.rekey(book.take_changed())
+        await self.engine.call(end)
+        self.events += 1
+
+    async def _tick(self) -> None:
+        book = self.policy.book
+
+        def advance(e) -> None:
+            book.advance(time.monotonic())
+            e.cache.rekey(book.take_changed())
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self.engine.call(advance)
+            except Exception as exc:  # noqa: BLE001 - the engine stopping ends the worker anyway
+                log.warning("session re-estimate failed", error=repr(exc))

@@ -1,0 +1,77 @@
+"""A worker's session-aware eviction: session events over a real NATS stream re-rank its engine's own evictions.
+
+Two sessions leave blocks in a small pool: one went to run a tool (back in
+seconds), then the other answered (its person replies in an hour). Under
+LRU the tool-call session, the least recently used, is evicted first by the
+next prompt that needs room; with `eviction_policy=session` and the feed,
+the idle session goes and the tool-call session's next turn is an L1 hit
+that answers exactly as a cold run (cache transparency).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from bus.helpers import connected, eventually
+
+from shared.config import EngineSettings
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.protocol import subjects
+from shared.serving.engine_loop import EngineLoop
+from shared.serving.session_feed import SessionFeed
+from shared.sessions.events import SessionEvent, TurnOutcome
+
+BS = 8
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+TOOL = [(5 * i + 1) % 400 + 7 for i in range(6 * BS)]
+IDLE = [(11 * i + 2) % 400 + 7 for i in range(6 * BS)]
+CHURN = [(13 * i + 5) % 400 + 7 for i in range(6 * BS)]
+
+
+def ended(session: str, outcome: TurnOutcome, hint_s: float) -> SessionEvent:
+    return SessionEvent(tenant="t", session_id=session, request_id=f"r-{session}", outcome=outcome,
+                        tools=["bash"] if outcome is TurnOutcome.TOOL_CALLS else [], at=time.time(),
+                        expected_return_ms=int(hint_s * 1000))
+
+
+async def run_turns(loaded, policy: str, url: str | None) -> tuple[int, list[int]]:
+    """Both sessions' turns, a churn prompt, then the tool session's next turn: (its cached tokens, its tokens)."""
+    engine = Engine(loaded, EngineSettings(block_size=BS, num_blocks=14, eviction_policy=policy))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        feed = SessionFeed(loop, engine.cache.policy) if policy == "session" else None
+        async with connected(url, "feed") as nc:
+            if feed is not None:
+                await feed.start(nc.jetstream())
+            for session, prompt, outcome, hint in (("tool", TOOL, TurnOutcome.TOOL_CALLS, 2.0),
+                                                   ("idle", IDLE, TurnOutcome.ANSWER, 3600.0)):
+                if feed is not None:
+                    await feed.turn_started(session, prompt, b"")
+                await loop.call(lambda e, p=prompt: e.generate([p], PARAMS))
+                await nc.jetstream().publish(subjects.SESSION_EVENTS, ended(session, outcome, hint).to_bytes())
+            if feed is not None:
+                await eventually(lambda: feed.events == 2, 10, "both turn ends reached the worker's book")
+            await loop.call(lambda e: e.generate([CHURN], PARAMS))  # needs 7 of 14 blocks: someone goes
+            again = await loop.call(lambda e: e.generate([TOOL], PARAMS)[0])
+            if feed is not None:
+                await feed.stop()
+        return again.cached_tokens, again.token_ids
+    finally:
+        loop.stop()
+
+
+@pytest.fixture
+def cold(tiny_loaded) -> list[int]:
+    return Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=64)).generate([TOOL], PARAMS)[0].token_ids
+
+
+async def test_the_tool_call_session_stays_where_lru_evicts_it(tiny_loaded, fresh_nats_server, cold) -> None:
+    lru_cached, lru_tokens = await run_turns(tiny_loaded, "lru", fresh_nats_server.url)
+    cached, tokens = await run_turns(tiny_loaded, "session", fresh_nats_server.url)
+    assert lru_cached < len(TOOL) - BS  # LRU lost (part of) the session coming back in seconds
+    assert cached == len(TOOL) - BS  # all but the last block: an L1 hit
+    assert tokens == lru_tokens == cold
+
