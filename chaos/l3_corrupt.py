@@ -3,11 +3,13 @@
 A long shared prefix P is computed together with the references of a few
 continuations; once its chunks are in L3, every object in the bucket gets
 its last byte flipped (the tail of a block payload: a checksum miss, not a
-header error). Both prefill workers are then killed and prefill-0 restarts
+header error). Every worker is then killed (the decode workers hold P too,
+and any worker's L1/L2 is a peer source), prefill-0 and decode-0 restart
 empty, so a continuation can only find P in the damaged L3 chunks (the
 eviction service is paused meanwhile: its scrub would remove them first).
 It must count checksum misses on /metrics and answer exactly the reference;
-the scenario's cleanup restarts prefill-1, and the scrub removes the rest.
+the scenario's cleanup restarts the other two (`restart_rest`), and the
+scrub removes the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import time
 import httpx
 import openai
 
-from chaos.stack import API_KEY, BUCKET, EVICTION, PREFILLS, ChaosStack
+from chaos.stack import API_KEY, BUCKET, EVICTION, WORKERS, ChaosStack
+
+READERS = ("prefill-0", "decode-0")  # restarted empty: they may find P only in L3
+REST = tuple(w for w in WORKERS if w not in READERS)
 
 _MISS = re.compile(r'^kvmesh_tier_miss_total\{reason="checksum",tier="L3"\} (\S+)$', re.M)
 
@@ -69,14 +74,23 @@ def probe(stack: ChaosStack, refs_unused: dict[str, str], timeout_s: float = 60.
     stack.signal(EVICTION, signal.SIGSTOP)  # its scrub would delete the damage before the reader meets it
     try:
         corrupted = corrupt_objects(stack)
-        # Nothing but L3 may hold P now: prefill-0 restarts empty, prefill-1 stays down (the cleanup restarts it).
-        for worker in PREFILLS:
+        # Nothing but L3 may hold P now: two workers restart empty, the rest stay down (the cleanup restarts them).
+        for worker in WORKERS:
             stack.signal(worker, signal.SIGKILL)
-        stack.restart("prefill-0", timeout_s, wait_all=False)
-        stack.wait_down("prefill-1", timeout_s)
+        for worker in READERS:
+            stack.restart(worker, timeout_s, wait_all=False)
+        for worker in REST:
+            stack.wait_down(worker, timeout_s)
         text, route = _complete(client, model, prefix + endings[-1])
     finally:
         stack.signal(EVICTION, signal.SIGCONT)
     return {"l3_objects_corrupted": corrupted > 0, "l3_read_by_fresh_worker": "prefill=prefill-0" in route,
             "l3_output_identical": text == refs[endings[-1]],
             "l3_checksum_miss_counted": checksum_misses(stack, "prefill-0") > 0}
+
+
+def restart_rest(stack: ChaosStack) -> None:
+    """The cleanup: the workers the probe left down come back, and the stack waits until all are live."""
+    for worker in REST:
+        stack.restart(worker, wait_all=False)
+    stack.wait_live(120.0)

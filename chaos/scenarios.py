@@ -109,9 +109,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("nats-leader-kill", "SIGKILL the NATS node leading the JOBS stream (3-node cluster, R3 streams), "
              "restart it after the fault window", lambda stack: stack.kill_nats_leader(),
              lambda stack: stack.restart_dead_nats()),
-    Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; a prefill worker restarted empty must read "
+    Scenario("l3-corrupt", "flip a byte in every stored L3 chunk; with every worker killed, a prefill worker restarted empty must read "
              "them, counts checksum misses, still answers the reference, and the damaged objects go",
-             _nothing, cleanup=_restart("prefill-1"), timed_fault=False, probe=l3_corrupt.probe),
+             _nothing, cleanup=l3_corrupt.restart_rest, timed_fault=False, probe=l3_corrupt.probe),
     Scenario("overload", f"a burst of {overload.BURST} requests over an in-flight limit of {overload.OVERLOAD_LIMIT}: "
              "429/503 + Retry-After at once, admitted ones correct", _nothing, timed_fault=False,
              probe=overload.probe),
