@@ -52,6 +52,7 @@ class AgentsBenchConfig:
     l1_blocks: int = 3072  # per worker: about a quarter of the sessions' peak contexts together
     l2_blocks: int = 1024
     l3: bool = False  # without S3 an evicted context is recomputed: what retention saves shows in TTFT
+    worker_policy: str = "session"  # the session mode's workers' own eviction (lru: pins and advice only)
     seed: int = 0
 
 
@@ -147,7 +148,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
     w = build_agent_workload(REPO_ROOT, cfg.sessions, seed=cfg.seed, arrival_rate=cfg.arrival_rate,
                              max_steps=cfg.max_steps)
     result: dict = {"sessions": len(w.sessions), "requests": w.requests, "l1_blocks": cfg.l1_blocks,
-                    "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
+                    "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "session_worker_policy": cfg.worker_policy, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
     outputs: dict[str, dict[tuple[str, int], tuple[int, ...] | str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
         model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
@@ -157,7 +158,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
         modes = {
             "lru": {"KVMESH_EVICTION__SESSIONS__ENABLED": "false", "KVMESH_EVICTION__POLICY": "lru"},
             "session": {"KVMESH_EVICTION__SESSIONS__ENABLED": "true", "KVMESH_EVICTION__POLICY": "session",
-                        "KVMESH_ENGINE__EVICTION_POLICY": "session"},
+                        "KVMESH_ENGINE__EVICTION_POLICY": cfg.worker_policy},
         }
         stack_cfg = ServeBenchConfig(model_dir=model_dir, l3=cfg.l3)
         for mode, env in modes.items():

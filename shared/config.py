@@ -108,7 +108,9 @@ class WorkerSettings(BaseModel):
 class SessionRetentionSettings(BaseModel):
     """How the eviction service keeps agent sessions by their predicted return (shared/eviction/sessions.py)."""
 
-    enabled: bool = True  # False: session events are ignored (the session-blind baseline)
+    # Off by default: in `kvmesh bench agents` (tool loops on a CPU-saturated pool) its pins have not yet
+    # beaten plain LRU on cached tokens (docs/agent-sessions.md); on, it acts on every SessionEvent.
+    enabled: bool = False
     pin_horizon_s: float = Field(default=120.0, ge=0.0)  # sessions expected back within this are pinned in L1
     pin_margin_s: float = Field(default=10.0, ge=0.0)  # a pin outlives the predicted return by this much
     pin_fraction: float = Field(default=0.4, ge=0.0, le=1.0)  # of a worker's L1 that session pins may ask for

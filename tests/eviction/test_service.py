@@ -20,7 +20,7 @@ from shared.bus.publish import Publisher
 from shared.bus.request import serve
 from shared.cache_index.index import keys_of
 from shared.cache_index.service import CacheIndex
-from shared.config import EvictionSettings, IndexSettings
+from shared.config import EvictionSettings, IndexSettings, SessionRetentionSettings
 from shared.eviction.client import pin_prefix
 from shared.eviction.l3_gc import scan
 from shared.eviction.messages import Demote, PinRequest, Retain, Warm, WorkerCommand
@@ -36,7 +36,8 @@ from shared.tiers.miss import Tier
 
 from .helpers import chain, kv_chain, l3_store
 
-SETTINGS = EvictionSettings(tick_s=0.1, high_water=0.9, low_water=0.5, gc_interval_s=3600)
+SETTINGS = EvictionSettings(tick_s=0.1, high_water=0.9, low_water=0.5, gc_interval_s=3600,
+                            sessions=SessionRetentionSettings(enabled=True))
 
 
 @asynccontextmanager
