@@ -38,7 +38,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.agent_workload import AgentSession, AgentWorkload, build_agent_workload
-from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, _pct, running_stack
+from bench.serve import KEY, REPO_ROOT, Sample, ServeBenchConfig, _pct, running_stack, stream_chat
 
 BLOCK_TOKENS = 16
 
@@ -60,30 +60,7 @@ class AgentsBenchConfig:
 class Call:
     session: str
     k: int
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output: tuple[int, ...] | str
-
-
-async def _call(client, model: str, s: AgentSession, k: int, tools: list[dict], max_tokens: int) -> Call:
-    started = time.perf_counter()
-    first, parts, usage = None, [], None
-    stream = await client.chat.completions.create(
-        model=model, messages=s.messages(k), tools=tools, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"x-session-id": s.name})
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            if choice.delta.content:
-                first = first or time.perf_counter()
-                parts.append(choice.delta.content)
-    end = time.perf_counter()
-    if usage is None:
-        raise RuntimeError("stream ended without usage")
-    cached = (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0) or 0
-    return Call(s.name, k, (first or end) - started, usage.prompt_tokens, cached, "".join(parts))
+    sample: Sample
 
 
 async def drive(base_url: str, model: str, w: AgentWorkload, cfg: AgentsBenchConfig, say: Console,
@@ -97,7 +74,9 @@ async def drive(base_url: str, model: str, w: AgentWorkload, cfg: AgentsBenchCon
     async def run(s: AgentSession) -> None:
         await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t0)))
         for k in range(len(s.steps) + 1):
-            calls.append(await _call(client, model, s, k, w.tools, cfg.max_tokens))
+            sample = await stream_chat(client, model, s.messages(k), w.tools, cfg.max_tokens,
+                                       extra_headers={"x-session-id": s.name})
+            calls.append(Call(s.name, k, sample))
             if k < len(s.steps):
                 await asyncio.sleep(s.steps[k].tool_s)  # the agent runs the tool it just called
         say.log(f"{label}: {s.name} done ({len(calls)}/{w.requests} calls)", highlight=False)
@@ -108,11 +87,11 @@ async def drive(base_url: str, model: str, w: AgentWorkload, cfg: AgentsBenchCon
 
 
 def summarize(calls: list[Call]) -> dict:
-    ttft = [c.ttft_s * 1000 for c in calls]
-    prompt = sum(c.prompt_tokens for c in calls)
+    ttft = [c.sample.ttft_s * 1000 for c in calls]
+    prompt = sum(c.sample.prompt_tokens for c in calls)
     return {"requests": len(calls), "ttft_ms_p50": round(_pct(ttft, 0.5), 1), "ttft_ms_p99": round(_pct(ttft, 0.99), 1),
             "ttft_ms_mean": round(sum(ttft) / max(1, len(ttft)), 1), "prompt_tokens": prompt,
-            "cached_token_ratio": round(sum(c.cached_tokens for c in calls) / max(1, prompt), 4)}
+            "cached_token_ratio": round(sum(c.sample.cached_tokens for c in calls) / max(1, prompt), 4)}
 
 
 # What the session planner and the ingress did, from their /metrics (counters summed over labels).
@@ -149,7 +128,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
                              max_steps=cfg.max_steps)
     result: dict = {"sessions": len(w.sessions), "requests": w.requests, "l1_blocks": cfg.l1_blocks,
                     "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "session_worker_policy": cfg.worker_policy, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
-    outputs: dict[str, dict[tuple[str, int], tuple[int, ...] | str]] = {}
+    outputs: dict[str, dict[tuple[str, int], str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
         model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
         kv_block_bytes = 512 * BLOCK_TOKENS  # the agent preset: 2 layers x 2 KV heads x 16 dims x K,V x fp32
@@ -169,7 +148,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
                 calls = asyncio.run(drive(url, model_dir.name, w, cfg, say, mode))
                 counters = session_counters(state_dir)
             result[mode] = summarize(calls) | {"session_counters": counters}
-            outputs[mode] = {(c.session, c.k): c.output for c in calls}
+            outputs[mode] = {(c.session, c.k): c.sample.text for c in calls}
     lru, ses = result["lru"], result["session"]
     result["same_outputs"] = outputs["lru"] == outputs["session"]
     result["ttft_p99_ratio_lru_vs_session"] = round(lru["ttft_ms_p99"] / max(1e-9, ses["ttft_ms_p99"]), 3)

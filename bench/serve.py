@@ -91,15 +91,16 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
             subprocess.run([kvmesh, "down", "--state-dir", tmp], env=env, capture_output=True, timeout=120)
 
 
-async def one_request(client, model: str, messages: list[dict], tools: list[dict], max_tokens: int,
-                      session: str) -> Sample:
+async def stream_chat(client, model: str, messages: list[dict], tools: list[dict], max_tokens: int,
+                      **extra) -> Sample:
+    """One greedy streaming chat completion with usage; `extra` goes to the SDK call (session routing)."""
     started = time.perf_counter()
     first = None
     parts: list[str] = []
     usage = None
     stream = await client.chat.completions.create(
         model=model, messages=messages, tools=tools, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, prompt_cache_key=session)
+        stream_options={"include_usage": True}, **extra)
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -113,6 +114,11 @@ async def one_request(client, model: str, messages: list[dict], tools: list[dict
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return Sample((first or end) - started, end - started, usage.prompt_tokens, cached or 0,
                   usage.completion_tokens, "".join(parts))
+
+
+async def one_request(client, model: str, messages: list[dict], tools: list[dict], max_tokens: int,
+                      session: str) -> Sample:
+    return await stream_chat(client, model, messages, tools, max_tokens, prompt_cache_key=session)
 
 
 def _messages(w: Workload) -> list[dict]:
