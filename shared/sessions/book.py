@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shared.sessions.events import TurnOutcome
+from shared.sessions.lru import lru_entry
 from shared.sessions.predict import Outlook, ReturnPredictor
 
 
@@ -172,14 +173,7 @@ class SessionBook:
     # -- internals ------------------------------------------------------------
 
     def _session(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
-            s = self._sessions[session_id] = _Session()
-            if len(self._sessions) > self.config.max_sessions:
-                self._sessions.popitem(last=False)
-        else:
-            self._sessions.move_to_end(session_id)
-        return s
+        return lru_entry(self._sessions, session_id, _Session, self.config.max_sessions)
 
     def _drop_unsent(self, s: _Session, hashes: Sequence[bytes]) -> None:
         """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead."""

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from shared.sessions.events import TurnOutcome
+from shared.sessions.lru import lru_entry
 from shared.sessions.quantiles import RecentQuantiles
 
 # Before any gap is observed: a tool runs for seconds, a person replies in minutes; spread as a
@@ -233,24 +234,10 @@ class ReturnPredictor:
     # -- internals ------------------------------------------------------------
 
     def _session(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
-            s = self._sessions[session_id] = _Session()
-            if len(self._sessions) > self.config.max_sessions:
-                self._sessions.popitem(last=False)
-        else:
-            self._sessions.move_to_end(session_id)
-        return s
+        return lru_entry(self._sessions, session_id, _Session, self.config.max_sessions)
 
     def _class(self, name: str) -> RecentQuantiles:
-        q = self._classes.get(name)
-        if q is None:
-            q = self._classes[name] = RecentQuantiles(self.config.window)
-            if len(self._classes) > self.config.max_classes:
-                self._classes.popitem(last=False)
-        else:
-            self._classes.move_to_end(name)
-        return q
+        return lru_entry(self._classes, name, lambda: RecentQuantiles(self.config.window), self.config.max_classes)
 
     def _window(self, gap_class: str, outcome: TurnOutcome) -> tuple[float, ...]:
         """The ascending gaps after turns of ``gap_class``: its own, else its outcome's, else the prior."""
