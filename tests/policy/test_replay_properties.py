@@ -18,9 +18,10 @@ ALL = [*POLICIES, *REFERENCES]
 
 
 @st.composite
-def traces(draw: st.DrawFn) -> Trace:
-    """Requests that extend a random earlier request's prefix with new blocks."""
-    n = draw(st.integers(1, 25))
+def traces(draw: st.DrawFn, max_requests: int = 25, with_outcomes: bool = False) -> Trace:
+    """Requests that extend a random earlier request's prefix with new blocks; `with_outcomes`: each turn's
+    tool calls too (unknown, an answer, or a tool call)."""
+    n = draw(st.integers(1, max_requests))
     chains: list[tuple[int, ...]] = []
     next_id = 0
     requests = []
@@ -35,7 +36,8 @@ def traces(draw: st.DrawFn) -> Trace:
         next_id += tail
         chains.append(ids)
         t += draw(st.sampled_from([0.0, 0.5, 3.0, 40.0]))
-        requests.append(TraceRequest(t, 512 * len(ids), 1, tuple(block_key(i) for i in ids)))
+        tools = draw(st.sampled_from([None, (), ("bash",)])) if with_outcomes else None
+        requests.append(TraceRequest(t, 512 * len(ids), 1, tuple(block_key(i) for i in ids), None, tools))
     return Trace("random", tuple(requests))
 
 

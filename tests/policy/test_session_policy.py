@@ -17,8 +17,9 @@ from shared.sim.replay import ReplayOptions
 from shared.sim.run import run_one
 from shared.sim.session_driver import SessionDriver
 from shared.sim.tiers import TieredCache
-from shared.sim.trace import Trace, TraceRequest, block_key
+from shared.sim.trace import Trace
 from tests.policy.agent_trace import agent_trace
+from tests.policy.test_replay_properties import traces
 
 TOOL, ANSWER, ENDED = TurnOutcome.TOOL_CALLS, TurnOutcome.ANSWER, TurnOutcome.ENDED
 
@@ -185,28 +186,8 @@ def test_pins_hold_a_tool_call_even_when_its_rank_would_not() -> None:
 
 # -- two tiers --------------------------------------------------------------
 
-@st.composite
-def chain_traces(draw: st.DrawFn) -> Trace:
-    n = draw(st.integers(1, 30))
-    chains: list[tuple[int, ...]] = []
-    next_id, t, requests = 0, 0.0, []
-    for _ in range(n):
-        prefix: tuple[int, ...] = ()
-        if chains and draw(st.booleans()):
-            base = draw(st.sampled_from(chains))
-            prefix = base[: draw(st.integers(1, len(base)))]
-        tail = draw(st.integers(0 if prefix else 1, 5))
-        ids = prefix + tuple(range(next_id, next_id + tail))
-        next_id += tail
-        chains.append(ids)
-        t += draw(st.sampled_from([0.0, 1.0, 30.0]))
-        requests.append(TraceRequest(t, 512 * len(ids), 1, tuple(block_key(i) for i in ids), None,
-                                     draw(st.sampled_from([None, (), ("bash",)]))))
-    return Trace("random", tuple(requests))
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=chain_traces(), l1=st.integers(0, 10), l2=st.integers(0, 10),
+@given(trace=traces(max_requests=30, with_outcomes=True), l1=st.integers(0, 10), l2=st.integers(0, 10),
        name=st.sampled_from(["session", "lru", "cost", "continuum"]))
 def test_tiers_stay_exclusive_bounded_and_linked(trace: Trace, l1: int, l2: int, name: str) -> None:
     policy = get_policy(name)
