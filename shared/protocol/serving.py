@@ -15,7 +15,7 @@ idempotent on (request_id, attempt).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
@@ -24,6 +24,28 @@ from shared.tiers.handle import BlockHandle
 
 if TYPE_CHECKING:  # the engine (torch) stays out of the ingress's imports
     from shared.engine.sampling import SamplingParams
+
+
+class ToolSchema(Message):
+    """A function the model may call: its name and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class Constraint(Message):
+    """What the sampled output must be; a worker compiles it to a grammar and masks every step (shared/constrain/).
+
+    `json`: one JSON value matching `json_schema` (None: any JSON object, OpenAI's `json_object`).
+    `tool_calls`: one or more (`parallel`) calls of `tools`, in the model's own tool-call syntax
+    `tool_format` (a name in shared/toolcalls/formats.py), and nothing else.
+    """
+
+    kind: Literal["json", "tool_calls"]
+    json_schema: dict[str, Any] | None = None
+    tools: list[ToolSchema] = Field(default_factory=list)
+    tool_format: str = ""
+    parallel: bool = True
 
 
 class SamplingSpec(Message):
@@ -35,6 +57,7 @@ class SamplingSpec(Message):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # grammar-constrained decoding (tool_choice, response_format)
 
     def to_params(self, max_tokens: int | None = None) -> SamplingParams:
         from shared.engine.sampling import SamplingParams
@@ -59,8 +82,9 @@ class CachePin(Message):
 
 
 class PrefillJob(Message):
-    # 2: `prefix_worker` (a new field is a new wire format: strict parsing rejects fields it does not know)
-    SCHEMA_VERSION = 2
+    # 2: `prefix_worker`; 3: `sampling.constraint` (a new field is a new wire format: strict parsing
+    # rejects fields it does not know)
+    SCHEMA_VERSION = 3
 
     request_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
@@ -80,6 +104,8 @@ class PrefillJob(Message):
 
 class DecodeJob(Message):
     """The prefill -> decode handoff, and the ingress's migration of a request to another decode worker."""
+
+    SCHEMA_VERSION = 2  # 2: `sampling.constraint`
 
     request_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
