@@ -40,6 +40,18 @@ class S3Settings(BaseModel):
     region: str = "us-east-1"
 
 
+class ConstraintSettings(BaseModel):
+    """How far a constrained request's random walk may grow where its schema sets no bound (shared/constrain/bounds.py)."""
+
+    max_string_length: int = Field(default=64, ge=1)  # chars, strings without maxLength/enum/const/pattern/format
+    max_array_items: int = Field(default=8, ge=1)  # arrays without maxItems
+    max_properties: int = Field(default=8, ge=1)  # free-form objects (no `properties`)
+    max_integer_digits: int = Field(default=9, ge=1)  # |n| < 10**digits for numbers without minimum/maximum
+    number_fraction_digits: int = Field(default=4, ge=0)  # numbers without multipleOf: at most this many decimals
+    max_parallel_calls: int = Field(default=4, ge=1)  # tool calls in one parallel answer
+    grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept per worker (LRU by constraint)
+
+
 class EngineSettings(BaseModel):
     block_size: int = 16
     num_blocks: int = 2048
@@ -50,6 +62,7 @@ class EngineSettings(BaseModel):
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
     pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
+    constraints: ConstraintSettings = Field(default_factory=ConstraintSettings)
 
 
 class TierSettings(BaseModel):

@@ -71,6 +71,7 @@ class SamplingSpec(Message):
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            constraint=None if self.constraint is None else self.constraint.model_dump_json(),
         )
 
 
