@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     detokenize: bool = True  # False: token ids only (no text, no stop strings), less work per token
+    # A shared.protocol.serving.Constraint as JSON (hashable; the grammar cache's key): the engine masks
+    # every step to its grammar (shared/constrain/) and ends the request "stop" when the grammar is complete.
+    constraint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
