@@ -50,6 +50,7 @@ class ConstraintSettings(BaseModel):
     number_fraction_digits: int = Field(default=4, ge=0)  # numbers without multipleOf: at most this many decimals
     max_parallel_calls: int = Field(default=4, ge=1)  # tool calls in one parallel answer
     grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept per worker (LRU by constraint)
+    overlap_masks: bool = True  # fill a step's token masks on a thread while the model's forward runs
 
 
 class EngineSettings(BaseModel):
