@@ -25,6 +25,7 @@ from shared.engine.batch_builder import build_forward_batch
 from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
 from shared.engine.block_pool import BlockPool
 from shared.engine.block_transfer import ImportResult, PendingExport, import_chain, start_export
+from shared.engine.constraints import EngineConstraints
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.kv_block import KVBlock
 from shared.engine.leases import LeaseSet
@@ -70,6 +71,7 @@ class Engine:
         self._keys: dict[tuple[bytes, str], HashKeys] = {}
         self._eos = frozenset(cfg.eos_token_ids)
         self._max_len = cfg.max_position_embeddings
+        self.constraints = EngineConstraints(loaded, settings.constraints)
 
     # --- requests ------------------------------------------------------
 
@@ -129,6 +131,7 @@ class Engine:
             use_cache=use_cache,
         )
         skip_draws(req.generator, len(generated), self.loaded.config.vocab_size)  # seeded sampling continues
+        self.constraints.attach(req, generated)  # the grammar continues too (ConstraintError is a ValueError)
         if params.detokenize:
             req.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, params.stop)
             for tok in generated:  # prime: text and stop-string state continue where the first worker was
@@ -168,16 +171,19 @@ class Engine:
         if not scheduled:
             return outputs
         batch = build_forward_batch(scheduled, self.block_size, self.settings.device)
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        sampled: list[ScheduledSeq] = [scheduled[i] for i in rows]
+        masks = self.constraints.start([s.request for s in sampled])  # filled while the forward runs
         logits = self.loaded.model(batch, self.kv_cache)
         self.scheduler.commit(scheduled)
-        rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not rows:
             return outputs
-        sampled: list[ScheduledSeq] = [scheduled[i] for i in rows]
         if len(rows) != len(scheduled):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        logits = logits.float()
+        self.constraints.apply(masks, logits)
         tokens = sample(
-            logits.float(),
+            logits,
             [s.request.params for s in sampled],
             [s.request.generator for s in sampled],
         )
@@ -191,9 +197,12 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
+        complete = self.constraints.advance(req, tok)  # the grammar is complete: nothing else may follow
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
             req.finish_reason = "stop"
         elif req.detokenizer is not None and req.detokenizer.add(tok):
+            req.finish_reason = "stop"
+        elif complete:
             req.finish_reason = "stop"
         elif req.num_output_tokens >= p.max_tokens:
             req.finish_reason = "length"

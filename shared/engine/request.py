@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -17,6 +17,9 @@ from shared.engine.block_hash import BlockHash, HashKeys, hash_block, hash_block
 from shared.engine.block_pool import Block
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.constrain.matcher import Matcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -69,6 +72,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     use_cache: bool = True  # False: never attach cached blocks (a cold recompute, e.g. the cache audit)
+    matcher: Matcher | None = None  # a constrained request's grammar state (shared/engine/constraints.py)
 
     def __post_init__(self) -> None:
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.keys)

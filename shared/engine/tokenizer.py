@@ -80,6 +80,10 @@ class Tokenizer:
         except ChatTemplateError as exc:
             raise CheckpointError(f"{TOKENIZER_CONFIG_FILE}: {exc}") from None
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar library builds its vocabulary view from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
