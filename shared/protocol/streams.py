@@ -103,6 +103,7 @@ class BucketSpec:
     max_value_size: int
     history: int = 1
     marker_ttl_s: float = 60.0
+    max_age_s: float = 0.0  # 0: entries live as long as their own TTL says; else a ceiling on every entry
     description: str = ""
 
     @property
@@ -123,6 +124,7 @@ class BucketSpec:
             deny_delete=True,
             discard=api.DiscardPolicy.NEW,
             duplicate_window=2 * MINUTE,
+            max_age=self.max_age_s,
             max_bytes=self.max_bytes,
             max_consumers=-1,
             max_msg_size=self.max_value_size,
@@ -153,7 +155,11 @@ WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size
                      description="worker heartbeats, one key per worker id, expiring by TTL")
 NAMED_CACHES = BucketSpec(subjects.NAMED_CACHES_BUCKET, max_bytes=1 * GiB, max_value_size=4 * MiB,
                           description="named caches (POST /v1/caches): tenant, content, expiry; TTL per entry")
-ALL_BUCKETS: tuple[BucketSpec, ...] = (WORKERS, NAMED_CACHES)
+RESPONSE_RETENTION_MAX_S = 30 * DAY  # as OpenAI keeps stored responses; each entry's TTL is ingress.response_retention_s
+RESPONSES = BucketSpec(subjects.RESPONSES_BUCKET, max_bytes=4 * GiB, max_value_size=8 * MiB,
+                       max_age_s=RESPONSE_RETENTION_MAX_S,
+                       description="stored responses (/v1/responses): the response and its conversation; TTL per entry")
+ALL_BUCKETS: tuple[BucketSpec, ...] = (WORKERS, NAMED_CACHES, RESPONSES)
 
 # Shared durable consumers: the role queues any free worker takes from, and the index's event feed.
 PREFILL_ANY = ConsumerSpec(JOBS.name, "prefill-any", subjects.jobs_prefill())

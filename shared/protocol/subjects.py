@@ -16,6 +16,7 @@ Layout (`<x>` is one token: no dots, spaces or wildcards):
     kvmesh.eviction.pin                 ingress -> eviction: pin a named cache / breakpoint (request/reply)
     kvmesh.dlq.<stream>                 dead letters of a stream (stream DEAD_LETTER)
     $KV.workers.<worker>                heartbeats (KV bucket `workers`)
+    $KV.responses.<tenant>.<response>   stored responses of /v1/responses (KV bucket `responses`)
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ NAMED_CACHES_BUCKET = "named_caches"
 def named_cache_key(cache_id: str) -> str:
     """The raw subject of a named cache's entry (for a publish with a TTL)."""
     return f"$KV.{NAMED_CACHES_BUCKET}.{token(cache_id)}"
+
+
+# Stored responses (POST /v1/responses, `store`): KV bucket `responses`, key = <tenant scope>.<response id>.
+RESPONSES_BUCKET = "responses"
+
+
+def response_key(tenant_scope: str, response_id: str) -> str:
+    """The key of a stored response in the `responses` bucket (two tokens: a tenant's keys share a prefix)."""
+    return f"{token(tenant_scope)}.{token(response_id)}"
 
 # Headers kvmesh sets (NATS ones are spelled by nats-py's api.Header).
 HDR_MSG_ID = "Nats-Msg-Id"

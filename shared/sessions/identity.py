@@ -61,6 +61,7 @@ class Source(StrEnum):
     SAFETY_IDENTIFIER = "safety_identifier"
     USER = "user"
     ANTHROPIC_USER = "metadata.user_id"
+    PREVIOUS_RESPONSE = "previous_response_id"  # /v1/responses: the stored response's session continues
     INFERRED = "inferred"  # continues the session whose last turn this request extends
     NEW = "new"  # nothing named or matched it: a fresh, generated session
 
