@@ -10,8 +10,8 @@ where the schema says nothing, `bound_schema` adds a bound (the defaults are
 - arrays without maxItems: maxItems (never below minItems);
 - integers/numbers without minimum/maximum: |n| < 10**max_integer_digits;
   numbers without multipleOf: multipleOf 10**-number_fraction_digits;
-- objects with `properties` and no additionalProperties: additionalProperties false;
-  objects with free-form extra keys: keys from `KEY_PATTERN`, maxProperties;
+- objects with `properties` (or patternProperties): no extra keys (additionalProperties false);
+  free-form objects (no listed keys): keys from `KEY_PATTERN`, maxProperties;
 - `{}` / true (any value), also as an absent `items`: scalars, or arrays and
   objects of scalars (depth 2), all bounded as above.
 Every bound only narrows: an output of the bounded schema validates against
@@ -72,7 +72,7 @@ def _bound(schema: Any, bounds: ConstraintSettings) -> Any:
     types = schema.get("type")
     types = set(types) if isinstance(types, list) else {types} if isinstance(types, str) else set()
     if "string" in types and not any(k in schema for k in _STRING_FIXED):
-        schema["maxLength"] = max(bounds.max_string_length, schema.get("minLength", 0))
+        schema["maxLength"] = max(bounds.max_string_length, _num(schema, "minLength", 0))
     if "array" in types:
         _bound_array(schema, bounds)
     if types & {"integer", "number"}:
@@ -84,34 +84,40 @@ def _bound(schema: Any, bounds: ConstraintSettings) -> Any:
 
 def _bound_array(schema: dict[str, Any], bounds: ConstraintSettings) -> None:
     if "maxItems" not in schema:
-        schema["maxItems"] = max(bounds.max_array_items, schema.get("minItems", 0), len(schema.get("prefixItems", ())))
+        schema["maxItems"] = max(bounds.max_array_items, _num(schema, "minItems", 0), _num(schema, "minContains", 0),
+                                 len(schema.get("prefixItems", ())))
     if "items" not in schema:
         schema["items"] = any_value(bounds)
 
 
 def _bound_number(schema: dict[str, Any], bounds: ConstraintSettings, integer: bool) -> None:
     limit = 10**bounds.max_integer_digits - 1
-    low = schema.get("minimum", schema.get("exclusiveMinimum"))
-    high = schema.get("maximum", schema.get("exclusiveMaximum"))
-    if low is None:
+    low = _num(schema, "minimum", _num(schema, "exclusiveMinimum", None))
+    high = _num(schema, "maximum", _num(schema, "exclusiveMaximum", None))
+    if "minimum" not in schema and "exclusiveMinimum" not in schema:
         schema["minimum"] = min(-limit, high) if high is not None else -limit
-    if high is None:
+    if "maximum" not in schema and "exclusiveMaximum" not in schema:
         schema["maximum"] = max(limit, low) if low is not None else limit
     if not integer and "multipleOf" not in schema:
         schema["multipleOf"] = 10.0**-bounds.number_fraction_digits
 
 
 def _bound_object(schema: dict[str, Any], bounds: ConstraintSettings) -> None:
-    extra = schema.get("additionalProperties")
-    if "additionalProperties" not in schema:
-        if "properties" in schema:
-            schema["additionalProperties"] = False
-            return
-        extra = any_value(bounds)
+    extra = schema.get("additionalProperties", True)
     if extra is False:
         return
-    # Free-form extra keys: name them (a random walk would never close an unbounded key) and count them.
-    patterns = schema.setdefault("patternProperties", {})
-    patterns.setdefault(KEY_PATTERN, extra)
+    if schema.get("properties") or schema.get("patternProperties"):
+        # Extra keys would have to avoid the listed names (no lookahead in grammar regexes) and could not be
+        # counted unless every listed key is required: the listed keys only.
+        schema["additionalProperties"] = False
+        return
+    # A free-form object: name its keys (a random walk would never close an unbounded key) and count them.
+    schema["patternProperties"] = {KEY_PATTERN: any_value(bounds) if extra is True else extra}
     schema["additionalProperties"] = False
-    schema.setdefault("maxProperties", max(bounds.max_properties, len(schema.get("required", ()))))
+    schema.setdefault("maxProperties", bounds.max_properties)
+
+
+def _num(schema: dict[str, Any], key: str, default: Any) -> Any:
+    """A numeric keyword's value, or `default` when absent or malformed (the compiler reports malformed ones)."""
+    value = schema.get(key)
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else default
