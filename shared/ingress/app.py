@@ -33,7 +33,7 @@ log = get_logger(__name__)
 
 # Routers of other parts, mounted if their module is present: (module, attribute).
 _OPTIONAL_ROUTERS = (("shared.ingress.anthropic_api", "router"), ("shared.ingress.named_caches", "router"),
-                     ("shared.ingress.session_api", "router"))
+                     ("shared.ingress.session_api", "router"), ("shared.ingress.responses_api", "router"))
 
 
 class RequestIdMiddleware:
