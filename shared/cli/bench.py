@@ -136,3 +136,33 @@ def datapath(
         raise typer.BadParameter(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")
     result = run_datapath_bench(DatapathConfig(geometry, context, turns, repeats, mfu))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def constrained(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir; default: --preset in a temp dir.")] = None,
+    preset: Annotated[str, typer.Option(help="tiny, agent or small (when --model is not given).")] = "tiny",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated decode batch sizes.")] = "1,8",
+    decode_tokens: Annotated[int, typer.Option(min=8, help="Decode steps per run.")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per case (median).")] = 5,
+    threads: Annotated[int, typer.Option(help="torch threads (0 = default).")] = 0,
+) -> None:
+    """Per-step decode cost with grammar masks vs without, same engine and prompts (overhead_b1, overhead_b8)."""
+    from bench.constrained import ConstrainedBenchConfig, run_constrained_bench
+
+    cfg = ConstrainedBenchConfig(model_dir=model, preset=preset, decode_tokens=decode_tokens, repeats=repeats,
+                                 batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()), threads=threads)
+    typer.echo(json.dumps(run_constrained_bench(cfg), indent=None if json_out else 2))
+
+
+@app.command("grammar-libs")
+def grammar_libs(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    vocab_sizes: Annotated[str, typer.Option(help="Comma-separated BPE vocab sizes to train and compare on.")] = "1024,8192,32000",
+) -> None:
+    """llguidance vs xgrammar on kvmesh's tokenizers: compile, per-token mask and advance."""
+    from bench.grammar_libs import run_grammar_libs_bench
+
+    result = run_grammar_libs_bench(tuple(int(v) for v in vocab_sizes.split(",") if v.strip()))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
