@@ -191,6 +191,9 @@ class IngressSettings(BaseModel):
     fetch_l3_s_per_block: float = 8e-3  # object storage
     affinity_bonus_s: float = 0.02  # the session/prompt_cache_key home's cost is lowered by this (a bonus, no veto)
     load_bound: float = 1.5  # bounded load: no worker above load_bound x the average in-flight (+1) per worker
+    # the tool-call syntax parsed from (and forced on) outputs: "auto" (from the chat template) or a name in
+    # shared/toolcalls/formats.py ("hermes", "llama3_json")
+    tool_parser: str = "auto"
     # stored /v1/responses live this long (TTL per entry; the bucket's max age, 30 days, is the ceiling)
     response_retention_s: float = Field(default=30 * 24 * 3600.0, gt=0.0, le=30 * 24 * 3600.0)
 

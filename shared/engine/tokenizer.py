@@ -92,6 +92,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The template's Jinja text (the ingress reads the model's tool-call syntax from it)."""
+        return None if self._template is None else self._template.source
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -25,6 +25,7 @@ from shared.ingress.limits import RateLimiter
 from shared.ingress.metrics import IngressMetrics
 from shared.ingress.prompt import PromptBuilder
 from shared.sessions.identity import HDR_SESSION, SessionInputError, check_id, scoped_session_id
+from shared.toolcalls.formats import HERMES, ToolFormat
 
 if TYPE_CHECKING:
     from shared.ingress.sessions import SessionTracker
@@ -55,6 +56,7 @@ class IngressState:
     context_len: int
     sessions: SessionTracker  # session identity, inference and turn events (shared/ingress/sessions.py)
     cache_lookup: CacheLookup | None = None
+    tool_format: ToolFormat = HERMES  # how this model writes tool calls (from its chat template; settings override)
     extra: dict[str, Any] = field(default_factory=dict)  # other parts' per-process objects, by name
 
 

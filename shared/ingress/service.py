@@ -33,6 +33,7 @@ from shared.ingress.session_table import SessionTable
 from shared.ingress.sessions import ChainHasher, SessionTracker
 from shared.log import get_logger
 from shared.service.runner import ServiceContext
+from shared.toolcalls.formats import select
 
 log = get_logger(__name__)
 
@@ -70,6 +71,7 @@ def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metr
         settings=s, keyring=keyring, limiter=RateLimiter(s.rate_limit_per_s, s.rate_limit_burst),
         prompts=PromptBuilder(tokenizer, s.assistant_memory, eos_ids), gateway=gateway, metrics=metrics,
         model_id=s.model_id or model_dir.name, context_len=context_len, sessions=sessions,
+        tool_format=select(tokenizer.chat_template_source, s.tool_parser),
     )
 
 

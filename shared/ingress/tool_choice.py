@@ -1,0 +1,61 @@
+"""tool_choice and response_format as the `Constraint` a worker forces (shared/constrain/).
+
+Both dialects map their own spelling onto `ToolChoice` (OpenAI "none" / "auto" /
+"required" / a named function; Anthropic none / auto / any / tool). `none` and
+`auto` force nothing: the model writes what it writes and the ingress parses
+calls out of it. `required` forces one or more calls (one when parallel calls
+are off) of the offered tools; `named` forces calls of that one tool. Every
+constraint is compiled once here (`check`) before anything is queued, so a
+schema the grammar compiler refuses is a 400 naming the request's field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shared.constrain.check import ConstraintError, validate
+from shared.ingress.errors import invalid
+from shared.protocol.serving import Constraint, ToolSchema
+from shared.toolcalls.formats import ToolFormat
+
+Mode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: Mode = "auto"
+    name: str | None = None  # the tool, for "named"
+
+
+def tool_constraint(tools: list[ToolSchema], choice: ToolChoice, fmt: ToolFormat,
+                    parallel: bool) -> Constraint | None:
+    """The constraint forcing `choice`'s calls, or None (none/auto); a 400 on param tool_choice when the
+    choice needs tools the request does not offer."""
+    if choice.mode in ("none", "auto"):
+        return None
+    if not tools:
+        raise invalid(f"tool_choice {choice.mode!r} needs tools, and the request offers none", param="tool_choice")
+    if choice.mode == "named":
+        chosen = [t for t in tools if t.name == choice.name]
+        if not chosen:
+            offered = ", ".join(t.name for t in tools)
+            raise invalid(f"tool_choice names the tool {choice.name!r}, which is not among the tools ({offered})",
+                          param="tool_choice")
+        tools = chosen[:1]
+    return Constraint(kind="tool_calls", tools=tools, tool_format=fmt.name, parallel=parallel)
+
+
+def json_constraint(schema: dict[str, Any] | None) -> Constraint:
+    """One JSON value matching `schema`; None: any JSON object."""
+    return Constraint(kind="json", json_schema=schema)
+
+
+def check(c: Constraint | None, param: str) -> None:
+    """A 400 naming `param` when the grammar cannot be built from `c` (nothing is queued yet)."""
+    if c is None:
+        return
+    try:
+        validate(c)
+    except ConstraintError as exc:
+        raise invalid(f"{param}: {exc}", param=param) from None
