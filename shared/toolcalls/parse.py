@@ -48,8 +48,8 @@ def parse_output(text: str, fmt: ToolFormat, tool_names: Collection[str] | None 
 
 
 def well_formed(call: StreamedCall) -> bool:
-    """Its object closed and its arguments are a JSON object."""
-    if not call.complete:
+    """Its object closed, was JSON, and its arguments are a JSON object."""
+    if not call.complete or call.malformed:
         return False
     try:
         return isinstance(json.loads(call.arguments), dict)

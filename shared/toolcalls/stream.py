@@ -32,13 +32,11 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 
+from shared.toolcalls.call_object import ObjectScan, scan_char
 from shared.toolcalls.formats import ToolFormat
-
-ARG_KEYS = ("arguments", "parameters")
-
 
 def new_call_id() -> str:
     """An OpenAI-style tool call id: `call_` and 24 hex digits."""
@@ -76,6 +74,7 @@ class StreamedCall:
     end: int = -1  # -1 while the call is still being read
     arguments: str = ""
     complete: bool = False  # its JSON object closed
+    malformed: bool = False  # the object is not JSON after the name (read past to its closing brace)
 
 
 class _S(Enum):
@@ -94,21 +93,6 @@ class _Fail(Exception):
     """The held text cannot start a call."""
 
 
-@dataclass(slots=True)
-class _Body:
-    """Where the scanner is inside a committed call's object (depth 1 = the call object itself)."""
-
-    expect: str = "sep"  # sep (',' or '}') | key | in_key | colon | value | in_value | raw
-    key: list[str] = field(default_factory=list)
-    escaped: bool = False
-    in_string: bool = False
-    depth: int = 0  # brackets open inside the current value
-    value_kind: str = ""  # '{', '[', '"' or 's' (scalar)
-    streaming: bool = False  # the current value is the arguments
-    raw_depth: int = 1  # in raw mode: open braces up to the call object's own
-    taken: bool = False  # the arguments were read (a second arguments key is not)
-
-
 class ToolCallStream:
     """Feed text deltas, get text and call deltas back; see the module docstring for the rules."""
 
@@ -122,7 +106,7 @@ class ToolCallStream:
         self._state = _S.HEAD
         self._marker = fmt.prefix  # what may precede a call where one may start
         self._from_text = False  # the HEAD was entered at an opener found in text
-        self._body = _Body()
+        self._body = ObjectScan()
         self.calls: list[StreamedCall] = []
         self._out: list[Delta] = []
 
@@ -218,7 +202,7 @@ class ToolCallStream:
         self.calls.append(call)
         self._out.append(CallStart(len(self.calls) - 1, call.id, name))
         self._consume(end)
-        self._state, self._body = _S.BODY, _Body()
+        self._state, self._body = _S.BODY, ObjectScan()
         return True
 
     def _head(self, b: str) -> tuple[str, int]:
@@ -248,11 +232,11 @@ class ToolCallStream:
         args: list[str] = []
         n = len(self._buf)
         for k, ch in enumerate(self._buf):
-            part, closes = _body_char(st, ch)
+            part, closes = scan_char(st, ch)
             if part:
                 args.append(ch)
             if closes:
-                call.complete = True
+                call.complete, call.malformed = True, st.expect == "raw"
                 n = k + 1
                 break
         if args:
@@ -318,86 +302,3 @@ def _partial_suffix(b: str, lit: str) -> int:
         if lit.startswith(b[-n:]):
             return n
     return 0
-
-
-def _body_char(st: _Body, ch: str) -> tuple[bool, bool]:
-    """One character inside a call object: (it is part of the arguments, it closes the object)."""
-    if st.expect == "raw":  # malformed: skip to the brace that closes the call object
-        if _in_string(st, ch):
-            return False, False
-        if ch in "{[":
-            st.raw_depth += 1
-        elif ch in "}]":
-            st.raw_depth -= 1
-        return False, st.raw_depth == 0
-    if st.expect == "in_value":
-        if _value_char(st, ch):
-            return st.streaming, False
-        st.expect, st.streaming = "sep", False  # a scalar ended at this character: it is a separator
-    if st.expect == "in_key":
-        if not _in_string(st, ch):
-            st.expect = "colon"
-        else:
-            st.key.append(ch)
-        return False, False
-    if ch.isspace():
-        return False, False
-    if st.expect == "sep" and ch in ",}":
-        st.expect = "key"
-        return False, ch == "}"
-    if st.expect == "key" and ch == '"':
-        st.expect, st.key, st.in_string = "in_key", [], True
-        return False, False
-    if st.expect == "colon" and ch == ":":
-        st.expect = "value"
-        return False, False
-    if st.expect == "value":
-        st.streaming = "".join(st.key) in ARG_KEYS and not st.taken
-        st.taken = st.taken or st.streaming
-        st.expect, st.depth, st.in_string, st.escaped = "in_value", 0, False, False
-        st.value_kind = ch if ch in '{["' else "s"
-        _value_char(st, ch)
-        return st.streaming, False
-    st.expect = "raw"
-    return _body_char(st, ch)
-
-
-def _in_string(st: _Body, ch: str) -> bool:
-    """Track a JSON string's end; True while `ch` is inside it (the closing quote is not)."""
-    if not st.in_string:
-        if ch == '"':
-            st.in_string = True
-            return True
-        return False
-    if st.escaped:
-        st.escaped = False
-    elif ch == "\\":
-        st.escaped = True
-    elif ch == '"':
-        st.in_string = False
-        return False
-    return True
-
-
-def _value_char(st: _Body, ch: str) -> bool:
-    """True while `ch` belongs to the current value; the value's end switches `expect` back to "sep"."""
-    kind = st.value_kind
-    if kind == "s":
-        if ch in ",}]" or ch.isspace():
-            return False
-        return True
-    if kind == '"':
-        if st.depth == 0:  # the opening quote
-            st.depth, st.in_string = 1, True
-        elif not _in_string(st, ch):
-            st.expect = "sep"
-        return True
-    if _in_string(st, ch) or st.in_string:
-        return True
-    if ch in "{[":
-        st.depth += 1
-    elif ch in "}]":
-        st.depth -= 1
-        if st.depth == 0:
-            st.expect = "sep"
-    return True
