@@ -134,17 +134,18 @@ class SessionTracker:
         return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes)
 
     def finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
-               finish_reason: str | None, worker: str) -> None:
+               finish_reason: str | None, worker: str, parsed_tools: Sequence[str] = ()) -> None:
         """The turn ended: remember its anchors, classify it and publish its event (in the background).
-        Never raises: the client's response does not depend on it."""
+        `parsed_tools`: the names of the tool calls parsed from the output. Never raises: the client's
+        response does not depend on it."""
         try:
-            self._finish(turn, output_ids, answer_ids, finish_reason, worker)
+            self._finish(turn, output_ids, answer_ids, finish_reason, worker, tuple(parsed_tools))
         except Exception:  # noqa: BLE001 - a bug here must cost the event, not the answer
             self.metrics.session_event_failures.inc()
             log.exception("session turn not recorded")
 
     def _finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
-                finish_reason: str | None, worker: str) -> None:
+                finish_reason: str | None, worker: str, parsed_tools: tuple[str, ...]) -> None:
         salt, prompt = turn.tenant_salt, turn.prompt_ids
         # The last sampled token is never fed back, so the workers hold KV up to the one before it.
         fed = self.hasher.extend(turn.prompt_hashes, [*prompt, *output_ids[:-1]], salt)
@@ -155,7 +156,7 @@ class SessionTracker:
             extended = [*prompt, *answer_ids]
             anchors.append(anchor_of(extended, self.hasher.extend(turn.prompt_hashes, extended, salt),
                                      self.hasher.block_size))
-        outcome, tools = classify(TurnEnd(turn.evidence, finish_reason, turn.hints.session_end))
+        outcome, tools = classify(TurnEnd(turn.evidence, finish_reason, turn.hints.session_end, parsed_tools))
         rec = self.table.record(turn.ref)
         rec.last_request_id, rec.chain, rec.published, rec.ended = turn.request_id, chain, outcome, False
         if outcome is TurnOutcome.ENDED:

@@ -1,12 +1,13 @@
 """How a turn ended, classified from what the ingress knows when it ends; and the event that says so.
 
-The ingress does not parse model output into tool calls yet (issue 13 will),
-so `classify` works from what it does know, in this order:
+The ingress parses tool calls out of the output when the request offered
+tools and did not turn them off (shared/toolcalls/; tool_choice "none" and
+requests without tools are not parsed). `classify` works from what it
+knows, in this order:
 
 1. the client's session-end hint: ENDED;
-2. tool calls parsed from the output (`parsed_tools`, empty until a parser
-   exists) or a tool-call finish reason (`tool_calls` / `tool_use`):
-   TOOL_CALLS with the parsed names;
+2. tool calls parsed from the output (`parsed_tools`) or a tool-call finish
+   reason (`tool_calls` / `tool_use`): TOOL_CALLS with the parsed names;
 3. the request offered tools and is itself an agent loop step: its
    messages after the last assistant turn carry tool results (OpenAI `tool`
    messages, Anthropic `tool_result` blocks). Then the agent is mid-loop and
@@ -15,8 +16,10 @@ so `classify` works from what it does know, in this order:
    names, the best the ingress has without parsing);
 4. otherwise ANSWER.
 
-Rule 3 misses a loop's first tool call (no results in its request yet) and
-calls the loop's final answer a tool call. Both errors are cheap for the
+Rule 3 only matters where rule 2 cannot see: output the parser does not
+recognise as calls (a model writing another syntax than its template's,
+tool_choice "none"). There it misses a loop's first tool call (no results in
+its request yet) and calls the loop's final answer a tool call. Both errors are cheap for the
 consumer: a missed one loses a pin, a false one holds a short pin that
 lapses. The next request settles what the previous turn really did
 (`previous_turn`); the ingress counts that against what it published
@@ -73,7 +76,7 @@ class TurnEnd:
     evidence: ToolEvidence
     finish_reason: str | None
     session_end: bool = False
-    parsed_tools: tuple[str, ...] = ()  # tool calls parsed from the output (none until a parser exists)
+    parsed_tools: tuple[str, ...] = ()  # names of the tool calls parsed from the output, in order
 
 
 def classify(turn: TurnEnd) -> tuple[TurnOutcome, list[str]]:
