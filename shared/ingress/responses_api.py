@@ -137,7 +137,7 @@ async def _run(adm: Admitted, p: _Prepared, usage: Usage, first: TokenEvent,
     write = EventWriter()
     draft = p.draft
     out = OutputBuilder(draft.output, write)
-    split = p.plan.splitter()
+    split = p.plan.splitter(p.body.stream)
     ids: list[int] = []
     try:
         yield write("response.created", response=draft.envelope("in_progress"))
