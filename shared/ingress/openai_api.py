@@ -22,17 +22,18 @@ from shared.engine.chat_template import ChatTemplateError
 from shared.ingress.admission import Admitted, admit, budget, check_model, parse, state_of
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
-from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from shared.ingress.openai_chat_output import FINISH, ChatDeltas, chat_message, finish_reason
+from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, JsonObjectFormat, \
+    JsonSchemaResponseFormat, _Common, tool_schema
 from shared.ingress.sessions import Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
+from shared.ingress.tool_choice import ToolParsing, check, json_constraint, tool_constraint, tool_parsing
 from shared.log import get_logger
-from shared.protocol.serving import SamplingSpec, TokenEvent
+from shared.protocol.serving import Constraint, SamplingSpec, TokenEvent
 from shared.sessions.outcome import ToolEvidence, tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()
-
-_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
 @router.get("/v1/models")
@@ -56,13 +57,33 @@ async def chat_completions(request: Request) -> Any:
         cached = await adm.state.cache_lookup(adm.principal, body.cache_id)
         messages = cached.messages + messages
         tools = (cached.tools or []) + (tools or []) or None
+    constraint, parsing = _tools(adm, body, tools)
     try:
         prompt_ids = adm.state.prompts.chat(adm.principal.tenant, messages, tools)
     except ChatTemplateError as exc:
         raise invalid(f"messages: {exc}", param="messages") from None
     turn = adm.state.sessions.begin(adm, given, prompt_ids, tool_evidence(messages, tools))
-    req = _generation(adm, body, turn, body.token_limit())
-    return await _respond(adm, req, body, turn, chat=True)
+    req = _generation(adm, body, turn, body.token_limit(), constraint)
+    return await _respond(adm, req, body, turn, chat=True, parsing=parsing)
+
+
+def _tools(adm: Admitted, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+           ) -> tuple[Constraint | None, ToolParsing | None]:
+    """What to force (tool_choice required/named, else response_format) and whether to parse calls out of
+    the output (tools offered, tool_choice not "none"); a 400 before anything is queued."""
+    try:
+        schemas = [tool_schema(t) for t in tools or []]
+    except ValueError as exc:
+        raise invalid(f"tools: {exc}", param="tools") from None
+    choice = body.choice()
+    fmt = adm.state.tool_format
+    constraint, param = tool_constraint(schemas, choice, fmt, body.parallel_tool_calls), "tools"
+    if constraint is None and isinstance(body.response_format, JsonObjectFormat):
+        constraint, param = json_constraint(None), "response_format"
+    elif constraint is None and isinstance(body.response_format, JsonSchemaResponseFormat):
+        constraint, param = json_constraint(body.response_format.json_schema.schema_), "response_format"
+    check(constraint, param)
+    return constraint, tool_parsing(schemas, choice, fmt)
 
 
 @router.post("/v1/completions")
@@ -77,11 +98,12 @@ async def completions(request: Request) -> Any:
     return await _respond(adm, req, body, turn, chat=False)
 
 
-def _generation(adm: Admitted, body: _Common, turn: Turn, max_tokens: int | None) -> GenerationRequest:
+def _generation(adm: Admitted, body: _Common, turn: Turn, max_tokens: int | None,
+                constraint: Constraint | None = None) -> GenerationRequest:
     prompt_ids = turn.prompt_ids
     limit = budget(adm.state, len(prompt_ids), max_tokens)
     sampling = SamplingSpec(max_tokens=limit, temperature=float(body.temperature), top_p=float(body.top_p),
-                            seed=body.seed, stop=body.stop_list())
+                            seed=body.seed, stop=body.stop_list(), constraint=constraint)
     if body.user or body.safety_identifier:
         log.info("request identity", user=body.user, safety_identifier=body.safety_identifier)
     return GenerationRequest(
@@ -99,12 +121,16 @@ def _usage(usage: Usage, completion_tokens: int) -> dict[str, Any]:
 
 
 def _choice(chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-    reason = None if finish is None else _FINISH.get(finish, finish)
+    reason = None if finish is None else FINISH.get(finish, finish)
     if not chat:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     if text:
         delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def _delta(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
     return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
 
 
@@ -125,7 +151,8 @@ def _account(adm: Admitted, usage: Usage, completion_tokens: int) -> None:
     m.completion_tokens.inc(completion_tokens)
 
 
-async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: Turn, chat: bool) -> Any:
+async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: Turn, chat: bool,
+                   parsing: ToolParsing | None = None) -> Any:
     route = "chat" if chat else "completions"
     started = time.monotonic()
     if not body.stream:
@@ -134,12 +161,15 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: T
         adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
         _account(adm, usage, len(done.token_ids))
         answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids) if chat else None
-        adm.state.sessions.finish(turn, done.token_ids, answer, done.finish_reason, usage.prefill_worker or usage.finished_by)
+        called: list[str] = []
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None},
-                      "logprobs": None, "finish_reason": _FINISH.get(done.finish_reason, done.finish_reason)}
+            message, called = chat_message(done.text, parsing)
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason(done.finish_reason, bool(called))}
         else:
             choice = _choice(False, done.text, done.finish_reason)
+        adm.state.sessions.finish(turn, done.token_ids, answer, "tool_calls" if called else done.finish_reason,
+                                  usage.prefill_worker or usage.finished_by, called)
         return JSONResponse({**_envelope(req, body.model, chat, False), "choices": [choice],
                              "usage": _usage(usage, len(done.token_ids))},
                             headers={**route_header(done.usage), **turn.header()})
@@ -148,13 +178,13 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: T
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels(route).observe(usage.first_token_at - started)
-    return StreamingResponse(_chunks(adm, req, body, turn, chat, usage, first, events),
+    return StreamingResponse(_chunks(adm, req, body, turn, chat, usage, first, events, ChatDeltas(parsing)),
                              media_type="text/event-stream",
                              headers={**SSE_HEADERS, **route_header(usage), **turn.header()})
 
 
 async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Turn, chat: bool, usage: Usage,
-                  first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
+                  first: TokenEvent, events: AsyncIterator[TokenEvent], deltas: ChatDeltas) -> AsyncIterator[bytes]:
     env = _envelope(req, body.model, chat, True)
     tail = {"usage": None} if body.include_usage else {}
     ids: list[int] = []
@@ -167,11 +197,16 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Tu
         while True:
             ids += event.token_ids
             text.append(event.text)
-            if event.text:
-                yield sse({**env, "choices": [_choice(chat, event.text, None)], **tail})
+            pieces = deltas.feed(event.text) if chat else [{"content": event.text}] if event.text else []
+            if event.finished and chat:
+                pieces += deltas.finish()
+            for piece in pieces:
+                choice = _delta(piece) if chat else _choice(False, piece["content"], None)
+                yield sse({**env, "choices": [choice], **tail})
             if event.finished:
-                finish = event.finish_reason or "stop"
-                yield sse({**env, "choices": [_choice(chat, None, finish)], **tail})
+                finish = "tool_calls" if deltas.called else event.finish_reason or "stop"
+                reason = finish_reason(event.finish_reason or "stop", bool(deltas.called))
+                yield sse({**env, "choices": [_choice(chat, None, reason)], **tail})
                 break
             event = await events.__anext__()
         if body.include_usage:
@@ -179,7 +214,7 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Tu
         yield sse("[DONE]")
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, "".join(text), ids) if chat else None
-        adm.state.sessions.finish(turn, ids, answer, finish, usage.prefill_worker or usage.finished_by)
+        adm.state.sessions.finish(turn, ids, answer, finish, usage.prefill_worker or usage.finished_by, deltas.called)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.OPENAI))

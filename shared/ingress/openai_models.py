@@ -7,11 +7,16 @@ keep working; a known field with a wrong type or range is a 400 naming it.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.ingress.errors import invalid
+from shared.ingress.tool_choice import ToolChoice
+from shared.protocol.serving import ToolSchema
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
 
 
 class _Body(BaseModel):
@@ -96,15 +101,78 @@ class _Common(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def tool_schema(tool: dict[str, Any]) -> ToolSchema:
+    """A chat `tools` entry ({"type": "function", "function": {name, parameters}}) checked; ValueError says why."""
+    if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ValueError('a tool must be {"type": "function", "function": {...}}')
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise ValueError(f"function name {name!r} must be 1-64 letters, digits, '_' or '-'")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise ValueError(f"function {name!r}: parameters must be a JSON schema of type object")
+    return ToolSchema(name=name, parameters=params)
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # kvmesh always forces the schema (strict or not)
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # passed to the template as sent; checked by `tool_schema`
+    tool_choice: Any = None  # checked by `choice()`, so any error names `tool_choice` itself
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     cache_id: str | None = None  # a named cache (POST /v1/caches) whose content comes first
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        names = [tool_schema(t).name for t in tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique: {names}")
+        return tools
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def choice(self) -> ToolChoice:
+        """tool_choice as sent ("none" | "auto" | "required" | {"type": "function", "function": {"name"}});
+        default: auto with tools, none without."""
+        raw = self.tool_choice
+        if raw is None:
+            return ToolChoice("auto" if self.tools else "none")
+        if raw in ("none", "auto", "required"):
+            return ToolChoice(raw)
+        if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("function"), dict):
+            name = raw["function"].get("name")
+            if isinstance(name, str) and name:
+                return ToolChoice("named", name)
+        raise invalid("tool_choice: want 'none', 'auto', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
 
 
 class CompletionRequest(_Common):

@@ -46,6 +46,21 @@ def tool_constraint(tools: list[ToolSchema], choice: ToolChoice, fmt: ToolFormat
     return Constraint(kind="tool_calls", tools=tools, tool_format=fmt.name, parallel=parallel)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolParsing:
+    """Parse calls of `names` in this model's `fmt` out of the output."""
+
+    fmt: ToolFormat
+    names: tuple[str, ...]
+
+
+def tool_parsing(tools: list[ToolSchema], choice: ToolChoice, fmt: ToolFormat) -> ToolParsing | None:
+    """Calls are parsed from the output when tools are offered and tool_choice is not "none"."""
+    if not tools or choice.mode == "none":
+        return None
+    return ToolParsing(fmt, tuple(t.name for t in tools))
+
+
 def json_constraint(schema: dict[str, Any] | None) -> Constraint:
     """One JSON value matching `schema`; None: any JSON object."""
     return Constraint(kind="json", json_schema=schema)
