@@ -78,10 +78,20 @@ def items(raw: str | list[Any], param: str = "input") -> list[MessageItem | Func
         try:
             out.append(_ITEM.validate_python({**item, "type": kind}))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = [str(p) for p in first.get("loc", ())[1:]]  # [0] is the union tag
-            field = ".".join([where, *loc]) if loc else where
-            raise invalid(f"{field}: {first['msg']}", param=field) from None
+            deepest = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+            field = where + _path(deepest.get("loc", ())[1:])  # [0] is the item type's tag
+            raise invalid(f"{field}: {deepest['msg']}", param=field) from None
+    return out
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    """`.content[0].type` from pydantic's loc, without the labels of union branches (`str`, `list[...]`)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "str" and "[" not in str(part):
+            out += f".{part}"
     return out
 
 

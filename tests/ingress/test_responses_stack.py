@@ -174,7 +174,8 @@ def test_function_call_items_round_trip(stack: ServingStack) -> None:
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "hi", "previous_response_id": "resp_nothing"}, 404, "previous_response_id"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, None),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].type"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, 400, "input[0].call_id"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input[0].call_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
