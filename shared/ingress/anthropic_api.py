@@ -1,9 +1,11 @@
 """The Anthropic dialect: POST /v1/messages, as the official `anthropic` SDK speaks it.
 
 Auth by `x-api-key` (a Bearer token works too); `anthropic-version` is
-accepted and not checked. The response is a `message` object with one text
-block, `stop_reason` (`end_turn` / `max_tokens` / `stop_sequence` with the
-matched `stop_sequence`) and Anthropic's cache usage (see cache_control.py).
+accepted and not checked. The response is a `message` object with a text
+block and any `tool_use` blocks parsed from the output (anthropic_output.py;
+tool_choice any/tool forces them), `stop_reason` (`end_turn` / `tool_use` /
+`max_tokens` / `stop_sequence` with the matched `stop_sequence`) and
+Anthropic's cache usage (see cache_control.py).
 A stream waits for its first token before answering 200, so early failures
 are error statuses (overload: 529); a failure after that is an `error`
 event and the stream never reaches `message_stop`.
@@ -21,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from shared.engine.chat_template import ChatTemplateError
 from shared.ingress.admission import Admitted, admit, budget, check_model, parse
 from shared.ingress.anthropic_models import CountTokensRequest, MessagesRequest
+from shared.ingress.anthropic_output import BlockEvents, content_blocks, stop_reason_with_calls
 from shared.ingress.cache_control import (
     CacheUsage, Conversation, Placed, cache_usage, check_breakpoints, pins, place,
 )
@@ -30,6 +33,7 @@ from shared.ingress.openai_api import _account  # one place logs and counts a fi
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.sessions import SessionInputs, Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
+from shared.ingress.tool_choice import ToolParsing, check, tool_constraint, tool_parsing, tool_schemas
 from shared.log import get_logger
 from shared.protocol.serving import SamplingSpec, TokenEvent
 from shared.sessions.outcome import tool_evidence
@@ -67,18 +71,22 @@ def _prompt(adm: Admitted, body: MessagesRequest, prefix: Conversation | None
 
 
 def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None, given: SessionInputs
-           ) -> tuple[GenerationRequest, list[Placed], Turn]:
+           ) -> tuple[GenerationRequest, list[Placed], Turn, ToolParsing | None]:
     ids, placed, conv = _prompt(adm, body, prefix)
     tenant = adm.principal.tenant
     limit = budget(adm.state, len(ids), body.max_tokens)
+    schemas = tool_schemas(conv.tools)
+    choice, parallel = body.choice(bool(schemas))
+    constraint = tool_constraint(schemas, choice, adm.state.tool_format, parallel)
+    check(constraint, "tools")
     sampling = SamplingSpec(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            stop=body.stops())
+                            stop=body.stops(), constraint=constraint)
     turn = adm.state.sessions.begin(adm, given, ids, tool_evidence(conv.messages, conv.tools))
     hashes = turn.prompt_hashes if adm.state.sessions.hasher.named else None
     req = GenerationRequest(request_id=adm.request_id, tenant=tenant, tenant_salt=adm.principal.salt,
                             prompt_ids=ids, sampling=sampling, session_id=turn.session_id,
                             affinity_key=turn.session_id, pins=pins(placed), block_hashes=hashes)
-    return req, placed, turn
+    return req, placed, turn, tool_parsing(schemas, choice, adm.state.tool_format)
 
 
 def render_prompt(prompts: PromptBuilder, conv: Conversation) -> str:
@@ -106,9 +114,8 @@ def _message_id(req: GenerationRequest) -> str:
     return "msg_" + req.request_id.removeprefix("req_")
 
 
-def _message(req: GenerationRequest, model: str, text: str | None, reason: tuple[str | None, str | None],
-             usage: dict[str, Any]) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "text", "text": text}]
+def _message(req: GenerationRequest, model: str, content: list[dict[str, Any]],
+             reason: tuple[str | None, str | None], usage: dict[str, Any]) -> dict[str, Any]:
     return {"id": _message_id(req), "type": "message", "role": "assistant", "content": content, "model": model,
             "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
 
@@ -133,7 +140,7 @@ async def messages(request: Request) -> Any:
     body = parse(MessagesRequest, adm.body)
     check_model(adm.state, body.model)
     given = inputs(adm, Dialect.ANTHROPIC)
-    req, placed, turn = _build(adm, body, await named_prefix(adm, body.cache_id), given)
+    req, placed, turn, parsing = _build(adm, body, await named_prefix(adm, body.cache_id), given)
     started = time.monotonic()
     if not body.stream:
         done = await adm.state.gateway.complete(req)
@@ -142,51 +149,54 @@ async def messages(request: Request) -> Any:
         _account(adm, usage, len(done.token_ids))
         answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
         full = adm.state.prompts.tokenizer.decode(done.token_ids)
+        blocks, called = content_blocks(done.text, parsing)
         reason = stop_reason(done.finish_reason, done.text, full, body.stops())
-        adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.prefill_worker or usage.finished_by)
+        reason = (stop_reason_with_calls(reason[0], bool(called)), reason[1])
+        adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.prefill_worker or usage.finished_by,
+                                  called)
         cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
-        return JSONResponse(_message(req, body.model, done.text, reason, cu),
+        return JSONResponse(_message(req, body.model, blocks, reason, cu),
                             headers={**route_header(usage), **turn.header()})
 
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
     adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
-    return StreamingResponse(_events(adm, req, body, placed, turn, usage, first, events),
+    return StreamingResponse(_events(adm, req, body, placed, turn, usage, first, events, BlockEvents(parsing)),
                              media_type="text/event-stream",
                              headers={**SSE_HEADERS, **route_header(usage), **turn.header()})
 
 
 async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, placed: list[Placed], turn: Turn,
-                  usage: Usage, first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[bytes]:
+                  usage: Usage, first: TokenEvent, events: AsyncIterator[TokenEvent], blocks: BlockEvents
+                  ) -> AsyncIterator[bytes]:
     ids: list[int] = []
     text: list[str] = []
     try:
-        start = _message(req, body.model, None, (None, None), _cache_usage(usage, placed).to_dict(1))
+        start = _message(req, body.model, [], (None, None), _cache_usage(usage, placed).to_dict(1))
         yield sse({"type": "message_start", "message": start}, "message_start")
-        yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                  "content_block_start")
-        yield sse({"type": "ping"}, "ping")
         event = first
         while True:
             ids += event.token_ids
             text.append(event.text)
-            if event.text:
-                delta = {"type": "text_delta", "text": event.text}
-                yield sse({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
+            for name, data in blocks.feed(event.text):
+                yield sse(data, name)
             if event.finished:
                 break
             event = await events.__anext__()
+        for name, data in blocks.finish():
+            yield sse(data, name)
         joined = "".join(text)
         reason = stop_reason(event.finish_reason or "stop", joined, adm.state.prompts.tokenizer.decode(ids),
                              body.stops())
-        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        reason = (stop_reason_with_calls(reason[0], bool(blocks.called)), reason[1])
         yield sse({"type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
                    "usage": {"output_tokens": len(ids)}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, joined, ids)
-        adm.state.sessions.finish(turn, ids, answer, reason[0], usage.prefill_worker or usage.finished_by)
+        adm.state.sessions.finish(turn, ids, answer, reason[0], usage.prefill_worker or usage.finished_by,
+                                  blocks.called)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.ANTHROPIC), "error")

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.ingress.cache_control import Breakpoint, Conversation, Ttl
+from shared.ingress.tool_choice import ToolChoice
 
 
 class _Body(BaseModel):
@@ -89,6 +90,24 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
+class ToolChoiceSpec(_Body):
+    """Anthropic's tool_choice: auto, any (some tool), tool (this `name`), none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoiceSpec:
+        if self.type == "tool" and not self.name:
+            raise ValueError('type "tool" needs the tool\'s name')
+        return self
+
+    def choice(self) -> ToolChoice:
+        mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[self.type]
+        return ToolChoice(mode, self.name if self.type == "tool" else None)  # type: ignore[arg-type]
+
+
 def function_tool(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
     """A tool in the shape chat templates (and the OpenAI dialect) render: both dialects share prefixes."""
     fn: dict[str, Any] = {"name": name}
@@ -125,6 +144,7 @@ class MessagesRequest(_Body):
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoiceSpec | None = None
     stop_sequences: list[str] | None = Field(default=None, max_length=8)
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -136,6 +156,12 @@ class MessagesRequest(_Body):
 
     def stops(self) -> list[str]:
         return [s for s in self.stop_sequences or [] if s]
+
+    def choice(self, offered: bool) -> tuple[ToolChoice, bool]:
+        """(tool_choice, parallel calls allowed); default auto when tools are offered (here or cached)."""
+        if self.tool_choice is None:
+            return ToolChoice("auto" if offered else "none"), True
+        return self.tool_choice.choice(), not self.tool_choice.disable_parallel_tool_use
 
     def system_blocks(self) -> list[TextBlock]:
         return system_blocks(self.system)

@@ -24,10 +24,11 @@ from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
 from shared.ingress.openai_chat_output import FINISH, ChatDeltas, chat_message, finish_reason
 from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, JsonObjectFormat, \
-    JsonSchemaResponseFormat, _Common, tool_schema
+    JsonSchemaResponseFormat, _Common
 from shared.ingress.sessions import Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
-from shared.ingress.tool_choice import ToolParsing, check, json_constraint, tool_constraint, tool_parsing
+from shared.ingress.tool_choice import ToolParsing, check, json_constraint, tool_constraint, tool_parsing, \
+    tool_schemas
 from shared.log import get_logger
 from shared.protocol.serving import Constraint, SamplingSpec, TokenEvent
 from shared.sessions.outcome import ToolEvidence, tool_evidence
@@ -71,10 +72,7 @@ def _tools(adm: Admitted, body: ChatCompletionRequest, tools: list[dict[str, Any
            ) -> tuple[Constraint | None, ToolParsing | None]:
     """What to force (tool_choice required/named, else response_format) and whether to parse calls out of
     the output (tools offered, tool_choice not "none"); a 400 before anything is queued."""
-    try:
-        schemas = [tool_schema(t) for t in tools or []]
-    except ValueError as exc:
-        raise invalid(f"tools: {exc}", param="tools") from None
+    schemas = tool_schemas(tools)
     choice = body.choice()
     fmt = adm.state.tool_format
     constraint, param = tool_constraint(schemas, choice, fmt, body.parallel_tool_calls), "tools"

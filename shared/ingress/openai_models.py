@@ -7,16 +7,12 @@ keep working; a known field with a wrong type or range is a 400 naming it.
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.ingress.errors import invalid
-from shared.ingress.tool_choice import ToolChoice
-from shared.protocol.serving import ToolSchema
-
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
+from shared.ingress.tool_choice import ToolChoice, tool_schema
 
 
 class _Body(BaseModel):
@@ -99,20 +95,6 @@ class _Common(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-def tool_schema(tool: dict[str, Any]) -> ToolSchema:
-    """A chat `tools` entry ({"type": "function", "function": {name, parameters}}) checked; ValueError says why."""
-    if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise ValueError('a tool must be {"type": "function", "function": {...}}')
-    fn = tool["function"]
-    name = fn.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise ValueError(f"function name {name!r} must be 1-64 letters, digits, '_' or '-'")
-    params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise ValueError(f"function {name!r}: parameters must be a JSON schema of type object")
-    return ToolSchema(name=name, parameters=params)
 
 
 class JsonSchemaFormat(_Body):

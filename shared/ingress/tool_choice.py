@@ -11,6 +11,7 @@ schema the grammar compiler refuses is a 400 naming the request's field.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,12 +21,36 @@ from shared.protocol.serving import Constraint, ToolSchema
 from shared.toolcalls.formats import ToolFormat
 
 Mode = Literal["none", "auto", "required", "named"]
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what both APIs accept as a tool name
 
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     mode: Mode = "auto"
     name: str | None = None  # the tool, for "named"
+
+
+def tool_schema(tool: dict[str, Any]) -> ToolSchema:
+    """A tool in the function shape both dialects flatten to ({"type": "function", "function": {name,
+    parameters}}), checked; ValueError says why."""
+    if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ValueError('a tool must be {"type": "function", "function": {...}}')
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise ValueError(f"function name {name!r} must be 1-64 letters, digits, '_' or '-'")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise ValueError(f"function {name!r}: parameters must be a JSON schema of type object")
+    return ToolSchema(name=name, parameters=params)
+
+
+def tool_schemas(tools: list[dict[str, Any]] | None) -> list[ToolSchema]:
+    """The offered tools (function-shaped dicts) as schemas; a 400 on param tools for a malformed one."""
+    try:
+        return [tool_schema(t) for t in tools or []]
+    except ValueError as exc:
+        raise invalid(f"tools: {exc}", param="tools") from None
 
 
 def tool_constraint(tools: list[ToolSchema], choice: ToolChoice, fmt: ToolFormat,
