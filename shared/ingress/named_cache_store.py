@@ -14,11 +14,12 @@ import time
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
+from shared.bus.kv_bucket import open_bucket
 from shared.protocol import subjects
 from shared.protocol.base import Message
-from shared.protocol.streams import NAMED_CACHES, declare_stream
+from shared.protocol.streams import NAMED_CACHES
 
 
 class NamedCache(Message):
@@ -58,11 +59,7 @@ class NamedCacheStore:
 
     async def _bucket(self):
         if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(NAMED_CACHES.name)
-            except BucketNotFoundError:  # a stack declared before the bucket existed
-                await declare_stream(self.js, NAMED_CACHES.config())
-                self._kv = await self.js.key_value(NAMED_CACHES.name)
+            self._kv = await open_bucket(self.js, NAMED_CACHES)
         return self._kv
 
     async def put(self, cache: NamedCache) -> None:

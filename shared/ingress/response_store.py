@@ -20,11 +20,12 @@ import time
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyNotFoundError
 
+from shared.bus.kv_bucket import open_bucket
 from shared.protocol import subjects
 from shared.protocol.base import Message
-from shared.protocol.streams import RESPONSES, declare_stream
+from shared.protocol.streams import RESPONSES
 
 
 class StoredResponse(Message):
@@ -56,11 +57,7 @@ class ResponseStore:
 
     async def _bucket(self):
         if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(RESPONSES.name)
-            except BucketNotFoundError:  # a stack declared before the bucket existed
-                await declare_stream(self.js, RESPONSES.config())
-                self._kv = await self.js.key_value(RESPONSES.name)
+            self._kv = await open_bucket(self.js, RESPONSES)
         return self._kv
 
     @staticmethod
