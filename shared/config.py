@@ -50,7 +50,9 @@ class ConstraintSettings(BaseModel):
     number_fraction_digits: int = Field(default=4, ge=0)  # numbers without multipleOf: at most this many decimals
     max_parallel_calls: int = Field(default=4, ge=1)  # tool calls in one parallel answer
     grammar_cache_size: int = Field(default=256, ge=1)  # compiled grammars kept per worker (LRU by constraint)
-    overlap_masks: bool = True  # fill a step's token masks on a thread while the model's forward runs
+    # Fill a step's token masks on a thread while the model's forward runs. None: only when the forward runs on an
+    # accelerator (the CPU is idle meanwhile); on a CPU the forward already uses every core and the thread competes.
+    overlap_masks: bool | None = None
 
 
 class EngineSettings(BaseModel):

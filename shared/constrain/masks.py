@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.constrain.matcher import Matcher
@@ -34,8 +35,7 @@ class MaskFiller:
 
         self._executor = llguidance.LLExecutor()
         self._words = (vocab_size + 31) // 32
-        self._eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._eos = np.array(sorted(eos_ids), dtype=np.int64)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") if overlap else None
 
     def start(self, matchers: Sequence[Matcher | None]) -> PendingMasks | None:
@@ -58,14 +58,16 @@ class MaskFiller:
         """Set the logits [rows, vocab] of disallowed tokens to -inf, in place (waits for the fill)."""
         if pending.fill is not None:
             pending.fill.result()
-        rows = torch.tensor(pending.rows, dtype=torch.long)
-        words = pending.bitmask[rows]
-        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(len(pending.rows), -1)[:, : logits.shape[-1]].bool()
-        stuck = ~allowed.any(dim=-1)
-        if bool(stuck.any()):  # a broken matcher allows nothing: let it end (EOS) rather than sample from nothing
-            allowed[stuck.nonzero().squeeze(-1).unsqueeze(-1), self._eos.unsqueeze(0)] = True
-        rows = rows.to(logits.device)
-        logits[rows] = logits[rows].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        words = pending.bitmask.numpy()
+        unconstrained = np.ones(len(words), dtype=bool)
+        unconstrained[pending.rows] = False
+        words[unconstrained] = -1  # rows without a matcher allow everything
+        # bit j of little-endian word w is token 32 * w + j: unpacking bytes little-bit-first keeps token order
+        allowed = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[-1]]
+        stuck = ~allowed.any(axis=-1)
+        if stuck.any():  # a broken matcher allows nothing: let it end (EOS) rather than sample from nothing
+            allowed[np.ix_(stuck.nonzero()[0], self._eos)] = 1
+        logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
 
     def close(self) -> None:
         if self._thread is not None:

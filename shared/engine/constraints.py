@@ -20,9 +20,10 @@ from shared.engine.request import Request
 
 
 class EngineConstraints:
-    def __init__(self, loaded: LoadedModel, settings: ConstraintSettings) -> None:
+    def __init__(self, loaded: LoadedModel, settings: ConstraintSettings, on_accelerator: bool = False) -> None:
         self._loaded = loaded
         self._settings = settings
+        self._overlap = on_accelerator if settings.overlap_masks is None else settings.overlap_masks
         self._compiler: GrammarCompiler | None = None
         self._filler: MaskFiller | None = None
 
@@ -32,7 +33,7 @@ class EngineConstraints:
             cfg = self._loaded.config
             self._compiler = GrammarCompiler(self._loaded.tokenizer.to_json(), cfg.vocab_size, cfg.eos_token_ids,
                                              self._settings)
-            self._filler = MaskFiller(cfg.vocab_size, cfg.eos_token_ids, overlap=self._settings.overlap_masks)
+            self._filler = MaskFiller(cfg.vocab_size, cfg.eos_token_ids, overlap=self._overlap)
         return self._compiler
 
     def attach(self, req: Request, generated: Sequence[int]) -> None:

@@ -71,7 +71,7 @@ class Engine:
         self._keys: dict[tuple[bytes, str], HashKeys] = {}
         self._eos = frozenset(cfg.eos_token_ids)
         self._max_len = cfg.max_position_embeddings
-        self.constraints = EngineConstraints(loaded, settings.constraints)
+        self.constraints = EngineConstraints(loaded, settings.constraints, on_accelerator=self.kv_cache.device.type != "cpu")
 
     # --- requests ------------------------------------------------------
 
