@@ -33,7 +33,7 @@ from shared.ingress.openai_api import _account  # one place logs and counts a fi
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.sessions import SessionInputs, Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
-from shared.ingress.tool_choice import ToolParsing, check, tool_constraint, tool_parsing, tool_schemas
+from shared.ingress.tool_choice import ToolParsing, request_constraint, tool_parsing, tool_schemas
 from shared.log import get_logger
 from shared.protocol.serving import SamplingSpec, TokenEvent
 from shared.sessions.outcome import tool_evidence
@@ -77,8 +77,7 @@ def _build(adm: Admitted, body: MessagesRequest, prefix: Conversation | None, gi
     limit = budget(adm.state, len(ids), body.max_tokens)
     schemas = tool_schemas(conv.tools)
     choice, parallel = body.choice(bool(schemas))
-    constraint = tool_constraint(schemas, choice, adm.state.tool_format, parallel)
-    check(constraint, "tools")
+    constraint = request_constraint(schemas, choice, adm.state.tool_format, parallel, None, "")
     sampling = SamplingSpec(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             stop=body.stops(), constraint=constraint)
     turn = adm.state.sessions.begin(adm, given, ids, tool_evidence(conv.messages, conv.tools))

@@ -27,8 +27,7 @@ from shared.ingress.openai_models import ChatCompletionRequest, CompletionReques
     JsonSchemaResponseFormat, _Common
 from shared.ingress.sessions import Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
-from shared.ingress.tool_choice import ToolParsing, check, json_constraint, tool_constraint, tool_parsing, \
-    tool_schemas
+from shared.ingress.tool_choice import ToolParsing, json_constraint, request_constraint, tool_parsing, tool_schemas
 from shared.log import get_logger
 from shared.protocol.serving import Constraint, SamplingSpec, TokenEvent
 from shared.sessions.outcome import ToolEvidence, tool_evidence
@@ -75,12 +74,12 @@ def _tools(adm: Admitted, body: ChatCompletionRequest, tools: list[dict[str, Any
     schemas = tool_schemas(tools)
     choice = body.choice()
     fmt = adm.state.tool_format
-    constraint, param = tool_constraint(schemas, choice, fmt, body.parallel_tool_calls), "tools"
-    if constraint is None and isinstance(body.response_format, JsonObjectFormat):
-        constraint, param = json_constraint(None), "response_format"
-    elif constraint is None and isinstance(body.response_format, JsonSchemaResponseFormat):
-        constraint, param = json_constraint(body.response_format.json_schema.schema_), "response_format"
-    check(constraint, param)
+    answer = None
+    if isinstance(body.response_format, JsonObjectFormat):
+        answer = json_constraint(None)
+    elif isinstance(body.response_format, JsonSchemaResponseFormat):
+        answer = json_constraint(body.response_format.json_schema.schema_)
+    constraint = request_constraint(schemas, choice, fmt, body.parallel_tool_calls, answer, "response_format")
     return constraint, tool_parsing(schemas, choice, fmt)
 
 

@@ -25,7 +25,7 @@ from shared.ingress.admission import IngressState
 from shared.ingress.responses_models import FormatJsonObject, FormatJsonSchema, FunctionTool, ResponsesRequest
 from shared.ingress.responses_models import ToolChoiceFunction
 from shared.ingress.responses_stream import OutputBuilder
-from shared.ingress.tool_choice import ToolChoice, check, json_constraint, tool_constraint
+from shared.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
 from shared.protocol.serving import Constraint, ToolSchema
 from shared.toolcalls.formats import ToolFormat
 from shared.toolcalls.parse import parse_output
@@ -118,13 +118,11 @@ def plan_tools(state: IngressState, body: ResponsesRequest) -> ToolPlan:
     choice = ToolChoice("named", raw.name) if isinstance(raw, ToolChoiceFunction) else ToolChoice(raw)
     schemas = [ToolSchema(name=t.name, parameters=t.schema()) for t in tools]
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
-    constraint = tool_constraint(schemas, choice, state.tool_format, parallel)
-    check(constraint, "tools" if constraint is not None else "tool_choice")
     fmt = body.format
-    if constraint is None and (choice.mode == "none" or not tools):
-        if isinstance(fmt, FormatJsonSchema):
-            constraint = json_constraint(fmt.schema_)
-            check(constraint, "text.format.schema")
-        elif isinstance(fmt, FormatJsonObject):
-            constraint = json_constraint(None)
+    answer = None
+    if isinstance(fmt, FormatJsonSchema):
+        answer = json_constraint(fmt.schema_)
+    elif isinstance(fmt, FormatJsonObject):
+        answer = json_constraint(None)
+    constraint = request_constraint(schemas, choice, state.tool_format, parallel, answer, "text.format.schema")
     return ToolPlan(tools, choice.mode, state.tool_format, constraint)

@@ -91,6 +91,24 @@ def json_constraint(schema: dict[str, Any] | None) -> Constraint:
     return Constraint(kind="json", json_schema=schema)
 
 
+def request_constraint(tools: list[ToolSchema], choice: ToolChoice, fmt: ToolFormat, parallel: bool,
+                       answer: Constraint | None, answer_param: str) -> Constraint | None:
+    """The one constraint a request decodes under, checked (a 400 before anything is queued).
+
+    Forced calls (tool_choice required / named) win. Otherwise the answer's format (`answer`: OpenAI
+    response_format, Responses text.format) is forced only when no tool may be called: one grammar
+    cannot offer both a call and a schema-bound answer, and forcing JSON would make the tools uncallable.
+    """
+    calls = tool_constraint(tools, choice, fmt, parallel)
+    if calls is not None:
+        check(calls, "tools")
+        return calls
+    if answer is not None and (choice.mode == "none" or not tools):
+        check(answer, answer_param)
+        return answer
+    return None
+
+
 def check(c: Constraint | None, param: str) -> None:
     """A 400 naming `param` when the grammar cannot be built from `c` (nothing is queued yet)."""
     if c is None:
