@@ -168,8 +168,8 @@ class CacheIndex:
             self.ready = True
             self.ready_after_s = time.monotonic() - self.started_at
             log.info("index ready", blocks=len(self.state.index), seconds=round(self.ready_after_s, 3))
-            if self.watch:
-                self._tasks.append(asyncio.create_task(self._purge_absent()))
+            if self.watch:  # only what the replay rebuilt: events applied after this are from live workers
+                self._tasks.append(asyncio.create_task(self._purge_absent(set(self.state.index.slots))))
 
     def _schedule_dump(self, worker: str) -> None:
         if worker not in self._dumping:
@@ -199,11 +199,12 @@ class CacheIndex:
         if self.metrics is not None:
             self.metrics.dumps.labels(result).inc()
 
-    async def _purge_absent(self) -> None:
+    async def _purge_absent(self, replayed: set[str]) -> None:
         # Workers that died while no replica watched (or before the snapshot) never send a DOWN:
-        # whatever the replay rebuilt for a worker without a live heartbeat now is purged.
+        # whatever the replay rebuilt for a worker without a live heartbeat now is purged. A worker
+        # first seen after readiness is left alone: its events arrived while this await ran.
         alive = await alive_workers(self.js)
-        for worker in [w for w in self.state.index.slots if w not in alive]:
+        for worker in [w for w in replayed if w not in alive and w in self.state.index.slots]:
             self._purge(worker)
 
     def _purge(self, worker: str) -> None:
