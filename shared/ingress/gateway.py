@@ -99,9 +99,10 @@ class Gateway:
 
     def __init__(self, nc: NATS, publisher: Publisher, table: WorkerTable, settings: IngressSettings,
                  detokenize: Callable[[Sequence[int]], str], on_retry: Callable[[], None] = lambda: None,
-                 locator: PrefixLocator | None = None) -> None:
+                 locator: PrefixLocator | None = None, on_stale_event: Callable[[], None] = lambda: None) -> None:
         self.nc, self.publisher, self.table, self.settings = nc, publisher, table, settings
         self.on_retry = on_retry  # counts prefill retries and decode migrations
+        self.on_stale_event = on_stale_event  # counts token events of replaced attempts, dropped unseen
         self.router = Router.of(table, settings)
         self.locator = locator  # None: prefill is routed by load and affinity only
         self.detokenize = detokenize  # text of a partly duplicated event's new tokens

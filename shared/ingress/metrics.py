@@ -17,6 +17,7 @@ class IngressMetrics:
     cached_tokens: Counter
     completion_tokens: Counter
     retries: Counter
+    stale_events: Counter  # token events of a replaced attempt (a zombie after a migration), dropped
     in_flight: Gauge
     sessions: Counter  # requests by where their session came from (identity.Source); never by session id
     session_events: Counter  # published, by outcome
@@ -35,6 +36,8 @@ class IngressMetrics:
                                   registry=registry),
             completion_tokens=Counter("kvmesh_ingress_completion_tokens", "Tokens generated.", registry=registry),
             retries=Counter("kvmesh_ingress_retries", "Prefill retries and decode migrations.", registry=registry),
+            stale_events=Counter("kvmesh_ingress_stale_token_events", "Token events of an attempt already "
+                                 "replaced (retry or migration), dropped unseen.", registry=registry),
             in_flight=Gauge("kvmesh_ingress_in_flight", "Requests being generated now.", registry=registry),
             sessions=Counter("kvmesh_ingress_sessions", "Requests by the source of their session: an explicit "
                              "field, inferred from the chain, or new.", ("source",), registry=registry),

@@ -11,7 +11,14 @@ worker's heartbeat:
   delivered so far, attempt+1) goes to another decode worker, which
   continues at seq = len(generated).
 Events are delivered by seq: a seq already delivered is dropped, one ahead
-is buffered. A retriable error event also triggers a retry. After
+is buffered. Only the current attempt's events count: an older attempt's
+(a replaced worker that still runs, e.g. paused and resumed) are dropped
+and counted, whatever their seq, so a zombie can never splice its own
+continuation into the stream; a migration also tells the replaced decode
+attempt to stop (an attempt-scoped AbortRequest to its worker). Sampled
+requests without a seed get one here, so every attempt draws the same
+continuation (the workers skip the draws of the tokens already delivered).
+A retriable error event also triggers a retry. After
 `max_attempts` the run raises GatewayError; the caller ends the response
 with an error status or an error event, never a silently short body.
 """
@@ -19,6 +26,7 @@ with an error status or an error event, never a silently short body.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator
 from enum import StrEnum
@@ -53,6 +61,9 @@ class RequestRun:
                  "_prefill_sent")
 
     def __init__(self, gw: Gateway, req: GenerationRequest, usage: Usage) -> None:
+        if req.sampling.temperature > 0 and req.sampling.seed is None:
+            # one seed for every attempt: a migrated attempt continues the draws instead of starting new ones
+            req.sampling = req.sampling.model_copy(update={"seed": secrets.randbits(63)})
         self.gw, self.req, self.usage = gw, req, usage
         self.attempt = 0
         self.stage = Stage.PREFILL
@@ -85,8 +96,9 @@ class RequestRun:
             if event is None:
                 await self._recover(f"{self.stage} worker {watched} gone or silent for {timeout:.0f}s")
                 continue
-            if event.attempt < self.attempt and event.error:
-                continue  # a failure report of an attempt already replaced
+            if event.attempt != self.attempt:  # a replaced attempt (a zombie, or its late failure report)
+                self.gw.on_stale_event()
+                continue
             if event.error:
                 if not event.retriable:
                     raise GatewayError(ErrorKind.INVALID_REQUEST, event.error, retriable=False)
@@ -227,7 +239,8 @@ class RequestRun:
 
     async def _migrate(self) -> None:
         req = self.req
-        self.decode_worker = self._choose(Role.DECODE, (self.decode_worker,))
+        replaced = self.decode_worker
+        self.decode_worker = self._choose(Role.DECODE, (replaced,))
         self._hold(self.decode_worker)
         job = DecodeJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
                         tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
@@ -235,7 +248,17 @@ class RequestRun:
                         prompt_tokens=len(req.prompt_ids), cached_tokens=self.usage.cached_tokens,
                         deadline=self._deadline)
         self.usage.decode_worker = self.decode_worker
+        await self._stop_replaced(replaced)
         await self._publish(subjects.jobs_decode(self.decode_worker), job)
+
+    async def _stop_replaced(self, worker: str) -> None:
+        """Tell `worker` to stop the attempts before this one (core NATS, best effort: a paused worker reads
+        it when it resumes, and the attempt filter fences it whether or not it does)."""
+        abort = AbortRequest(request_id=self.req.request_id, attempt=self.attempt - 1, reason="migrated")
+        try:
+            await self.gw.nc.publish(subjects.abort(worker), abort.to_bytes())
+        except nats.errors.Error as exc:
+            log.warning("abort of the replaced attempt not sent", worker=worker, error=repr(exc))
 
     async def _publish(self, subject: str, job: PrefillJob | DecodeJob) -> None:
         """Publish with the idempotent msg id; a bus that stays down past the retry budget is a 503/529."""
@@ -253,6 +276,7 @@ class RequestRun:
         self.gw.on_retry()
         self.usage.attempts = self.attempt + 1
         self._progress = time.monotonic()
+        self._pending.clear()  # buffered events of the replaced attempt: never delivered now
         if self.stage is Stage.PREFILL:
             await self._start_prefill(exclude=(self.prefill_worker,))
         else:

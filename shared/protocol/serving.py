@@ -5,12 +5,15 @@
     prefill --DecodeJob(handles + first token)--> kvmesh.handoff.<decode worker>
     decode  --TokenEvent(seq 1..n)--> kvmesh.tokens.<request>
     ingress --DecodeJob(migration: prompt + tokens so far)--> kvmesh.jobs.decode.<worker>
-    ingress --AbortRequest (client gone)--> kvmesh.abort.<worker>   (core NATS, best effort)
+    ingress --AbortRequest (client gone: all attempts;
+                            migration: the replaced attempt)--> kvmesh.abort.<worker>   (core NATS, best effort)
 
 `seq` numbers the generated tokens of a request from 0; the ingress drops
 what it has already seen, so a retried prefill or a migrated decode can
-resend tokens without the client seeing duplicates. Every handler is
-idempotent on (request_id, attempt).
+resend tokens without the client seeing duplicates. The ingress takes
+events only from the request's current attempt: a replaced attempt that
+still runs (a paused worker resumed) is fenced off, whatever its seq. Every
+handler is idempotent on (request_id, attempt).
 """
 
 from __future__ import annotations
@@ -142,7 +145,14 @@ class TokenEvent(Message):
 
 
 class AbortRequest(Message):
-    """Stop `request_id` (all attempts): the client went away; free its sequence and publish nothing more."""
+    """Stop `request_id`, free its sequence and publish nothing more for it.
+
+    `attempt` None: every attempt (the client went away). An int: that attempt and older ones only (the
+    ingress migrated the request to a newer attempt); a later attempt still runs here if it comes.
+    """
+
+    SCHEMA_VERSION = 2  # 2: `attempt`
 
     request_id: str = Field(min_length=1)
+    attempt: int | None = Field(default=None, ge=0)
     reason: str = "client disconnected"

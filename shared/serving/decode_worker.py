@@ -15,8 +15,13 @@ request_id + attempt:
 3. at the end the full blocks of prompt + output go to its L2 and the L3
    upload queue (so turn N+1 hits turn N's answer), then the final event is
    published and the job acked. A newer attempt of the same request arriving
-   here supersedes this one, and an `AbortRequest` ends it: either way it
-   stops without a final event.
+   here supersedes this one, and an `AbortRequest` ends it (all attempts when
+   the client went away; the attempt a migration replaced, and older ones,
+   when it names one): either way it frees its sequence, stops without a
+   final event and logs "decode attempt stopped". A stopped attempt's stream
+   publishes nothing more, even tokens its engine produced before the abort
+   was read (a worker paused mid-step and resumed); the ingress fences such
+   an attempt anyway, by its attempt number.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class DecodeWorker:
     audit: CacheAudit | None = None
     settings: WorkerSettings = field(default_factory=WorkerSettings)
     ledger: JobLedger = field(default_factory=JobLedger)
-    _engine_ids: dict[str, str] = field(default_factory=dict)  # request id -> engine id of the run here
+    _engine_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # request id -> (attempt, engine id) run here
 
     def __post_init__(self) -> None:
         self.ledger.remember = self.settings.remember_finished
@@ -70,7 +75,8 @@ class DecodeWorker:
         if self.rt.sessions is not None and job.session_id:
             await self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
         stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, len(job.generated),
-                             job.prompt_tokens, job.cached_tokens)
+                             job.prompt_tokens, job.cached_tokens,
+                             fenced=lambda: self.ledger.stale(job.request_id, job.attempt))
         try:
             await self._decode(job, salt, stream)
         except BaseException:  # failed or drained away (the job is nak'ed): this stream says nothing more
@@ -85,13 +91,14 @@ class DecodeWorker:
         engine_id = f"{job.request_id}:{job.attempt}:decode"
         try:
             sources = await self._resolve(job, salt, engine_id)
-            if self.ledger.aborted(job.request_id):
+            if self.ledger.stale(job.request_id, job.attempt):  # aborted or replaced while its blocks came
                 stream.cancel()
+                self._stopped(job)
                 return
             older = self._engine_ids.pop(job.request_id, None)
             if older is not None:
-                engine.abort(older)  # superseded by this attempt
-            self._engine_ids[job.request_id] = engine_id
+                engine.abort(older[1])  # superseded by this attempt
+            self._engine_ids[job.request_id] = (job.attempt, engine_id)
             spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(), salt, generated=job.generated)
             try:
                 out = await asyncio.wait_for(
@@ -104,12 +111,13 @@ class DecodeWorker:
                 await stream.finish("error", error="deadline passed during decode")
                 return
             finally:
-                if self._engine_ids.get(job.request_id) == engine_id:
+                if self._engine_ids.get(job.request_id) == (job.attempt, engine_id):
                     del self._engine_ids[job.request_id]
         finally:
             engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
-        if out.finish_reason == "abort":  # a newer attempt took over here, or the client went away
+        if out.finish_reason == "abort":  # a newer attempt took over (here or elsewhere), or the client went away
             stream.cancel()
+            self._stopped(job, len(out.token_ids))
             return
         produced = await self._register(job.prompt_ids + out.token_ids, salt, job.tenant_salt, job.session_id)
         await stream.finish(out.finish_reason, cache_created_tokens=job.cache_created_tokens)
@@ -126,12 +134,22 @@ class DecodeWorker:
         handles, _ = await store_chain(self.rt.engine, self.rt.tiers, hashes, tenant_salt, session_id=session_id)
         return len(handles)
 
-    def abort(self, request_id: str) -> None:
-        """The client went away: stop the request here and publish nothing more for it."""
-        self.ledger.abort(request_id)
-        engine_id = self._engine_ids.get(request_id)
-        if engine_id is not None:
-            self.rt.engine.abort(engine_id)
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
+        """Stop the request here and publish nothing more for it: every attempt (`attempt` None: the client
+        went away), or `attempt` and older ones (a migration replaced them; a newer one may still come)."""
+        if attempt is None:
+            self.ledger.abort(request_id)
+        else:
+            self.ledger.fence(request_id, attempt)
+        running = self._engine_ids.get(request_id)
+        if running is not None and (attempt is None or running[0] <= attempt):
+            self.rt.engine.abort(running[1])  # the engine frees its blocks at the next step
+
+    def _stopped(self, job: DecodeJob, produced: int = 0) -> None:
+        why = ("aborted" if self.ledger.aborted(job.request_id)
+               else "replaced" if self.ledger.stale(job.request_id, job.attempt) else "superseded here")
+        log.info("decode attempt stopped", request_id=job.request_id, attempt=job.attempt, why=why,
+                 output_tokens=produced)
 
     async def _resolve(self, job: DecodeJob, salt: bytes, lease: str) -> Counter:
         """Import the handles' blocks after those already in the engine, up to the first that cannot be had.

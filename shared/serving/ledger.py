@@ -5,7 +5,8 @@ arrive again: after a lost ack, or while the first delivery still runs.
 `JobLedger.claim` says what to do with a delivery: run it, wait for the
 run already in progress (and then ack), or ack at once because it already
 finished here. A newer attempt of a request supersedes an older one still
-running on this worker (the older one's output is no longer wanted).
+running on this worker (the older one's output is no longer wanted), and an
+attempt-scoped abort fences the attempts it names (`fence`, `stale`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ class JobLedger:
     def aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
 
+    def fence(self, request_id: str, attempt: int) -> None:
+        """Attempts up to `attempt` were replaced elsewhere (the ingress migrated the request): a run of one
+        here must publish nothing more, and later deliveries of them are acked unrun. A newer attempt
+        still runs here if it comes (the migration may come back to this worker)."""
+        self._done(request_id, attempt)
+
+    def stale(self, request_id: str, attempt: int) -> bool:
+        """Whether (request_id, attempt) must publish nothing more: aborted, fenced, or a newer attempt done here."""
+        return request_id in self._aborted or self._finished.get(request_id, -1) >= attempt
+
     def claim(self, request_id: str, attempt: int) -> Claim:
         if request_id in self._aborted:
             return Claim.DONE
@@ -72,10 +83,13 @@ class JobLedger:
             del self._running[request_id]
             run.finished.set()
         if finished:
-            self._finished[request_id] = max(attempt, self._finished.get(request_id, -1))
-            self._finished.move_to_end(request_id)
-            while len(self._finished) > self.remember:
-                self._finished.popitem(last=False)
+            self._done(request_id, attempt)
+
+    def _done(self, request_id: str, attempt: int) -> None:
+        self._finished[request_id] = max(attempt, self._finished.get(request_id, -1))
+        self._finished.move_to_end(request_id)
+        while len(self._finished) > self.remember:
+            self._finished.popitem(last=False)
 
     @property
     def running(self) -> int:

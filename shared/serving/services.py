@@ -25,12 +25,12 @@ from shared.serving.runtime import WorkerRuntime, job_consumer
 log = get_logger(__name__)
 
 
-async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[str], None]) -> None:
-    """AbortRequests to this worker (core NATS, best effort) stop the named request."""
+async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[AbortRequest], None]) -> None:
+    """AbortRequests to this worker (core NATS, best effort) stop the named request (or attempt)."""
 
     async def on_abort(msg) -> None:
         try:
-            abort(AbortRequest.from_bytes(msg.data).request_id)
+            abort(AbortRequest.from_bytes(msg.data))
         except ProtocolError as exc:
             log.warning("unreadable abort ignored", error=str(exc))
 
@@ -52,7 +52,8 @@ async def setup_prefill(ctx: ServiceContext) -> None:
     obey_eviction(ctx, rt)
     worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers)
     handler = typed(PrefillJob, worker.handle)
-    await listen_for_aborts(ctx, worker.abort)
+    # prefill stops whole requests only: an attempt-scoped abort is for the decode attempt a migration replaced
+    await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id) if a.attempt is None else None)
     own = worker_consumer(JOBS, "prefill", ctx.worker_id, subjects.jobs_prefill(ctx.worker_id))
     for spec in (own, PREFILL_ANY):
         ctx.add_consumer(job_consumer(spec), handler)
@@ -65,7 +66,7 @@ async def setup_decode(ctx: ServiceContext) -> None:
     ctx.on_stop.insert(0, audit.close)
     worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)
     handler = typed(DecodeJob, worker.handle)
-    await listen_for_aborts(ctx, worker.abort)
+    await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id, a.attempt))
     specs = (
         worker_consumer(HANDOFF, "handoff", ctx.worker_id, subjects.handoff(ctx.worker_id)),
         worker_consumer(JOBS, "decode", ctx.worker_id, subjects.jobs_decode(ctx.worker_id)),

@@ -7,12 +7,16 @@ tokens, `seq` of the first), so the stream never falls behind the engine
 and events stay in seq order. `finish` publishes what is left as the final
 event. Message ids are (request, attempt, seq, count, final): a retried
 publish is dropped by the stream; a redelivered job that runs again sends
-the same ids for the same tokens.
+the same ids for the same tokens. Once `fenced()` says the attempt was
+replaced or aborted, the stream publishes nothing more (not even a final
+event): a worker resumed after a pause may hold tokens its engine made
+before it read the abort.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.bus.publish import Publisher
@@ -22,6 +26,10 @@ from shared.protocol.serving import TokenEvent
 
 def event_msg_id(ev: TokenEvent) -> str:
     return f"{ev.request_id}:{ev.attempt}:{ev.seq}:{len(ev.token_ids)}:{int(ev.finished)}"
+
+
+def _never() -> bool:
+    return False
 
 
 async def publish_event(publisher: Publisher, ev: TokenEvent) -> None:
@@ -39,6 +47,7 @@ class TokenStream:
     next_seq: int  # seq of the next token to publish
     prompt_tokens: int
     cached_tokens: int
+    fenced: Callable[[], bool] = _never  # True: this attempt must say nothing more (checked before each publish)
     _ids: list[int] = field(default_factory=list)
     _text: str = ""
     _final: dict | None = None
@@ -73,6 +82,8 @@ class TokenStream:
             await self._wake.wait()
             self._wake.clear()
             final = self._final
+            if self.fenced():
+                return
             if self._ids or final is not None:
                 ids, text = self._ids, self._text
                 self._ids, self._text = [], ""
