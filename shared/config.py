@@ -65,6 +65,7 @@ class EngineSettings(BaseModel):
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
     pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
+    pin_tenant_fraction: float = Field(default=0.25, ge=0.0, le=1.0)  # of the pool one tenant's pins may hold
     constraints: ConstraintSettings = Field(default_factory=ConstraintSettings)
 
 
@@ -156,6 +157,25 @@ class EvictionSettings(BaseModel):
     sessions: SessionRetentionSettings = Field(default_factory=SessionRetentionSettings)
 
 
+class PinQuotaSettings(BaseModel):
+    """Caps on pinned bytes (cache_control breakpoints, named caches) in L2 and L3, per pool and per tenant.
+
+    L1's caps are `engine.pin_fraction` / `engine.pin_tenant_fraction`. L2's hold per worker (a pin past them
+    pins what fits). L3's are the eviction service's, for the whole deployment: a request past its tenant's
+    cap is refused with a 429 (docs/kv-tiers.md, "Pin budgets").
+    """
+
+    l2_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of a worker's L2 bytes that pins may hold
+    l2_tenant_fraction: float = Field(default=0.25, ge=0.0, le=1.0)  # ... that one tenant's pins may hold
+    l3_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of eviction.l3_capacity_bytes that pins may hold
+    l3_pool_bytes: int | None = Field(default=None, ge=0)  # the L3 pool cap where l3_capacity_bytes is unset; None: none
+    # a tenant's pins (named caches included) count against its L3 quota: this share of
+    # eviction.namespace_quota_bytes, or l3_tenant_bytes where no quota is set
+    l3_tenant_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    l3_tenant_bytes: int = Field(default=64 * 1024**3, ge=0)
+    block_bytes: int | None = Field(default=None, ge=1)  # KV bytes of one block, for pins that do not say; None: model
+
+
 class StackSettings(BaseModel):
     """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
 
@@ -245,6 +265,7 @@ class Settings(BaseSettings):
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     index: IndexSettings = Field(default_factory=IndexSettings)
     eviction: EvictionSettings = Field(default_factory=EvictionSettings)
+    pins: PinQuotaSettings = Field(default_factory=PinQuotaSettings)
 
 
 def load_settings(**overrides: object) -> Settings:

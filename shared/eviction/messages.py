@@ -67,12 +67,32 @@ class WorkerCommand(Message):
 
 
 class PinRequest(Message):
-    """Keep `hashes` (a prompt prefix) for `ttl_s`: never demoted out of L1/L2 by advice, never deleted from L3."""
+    """Keep `hashes` (a prompt prefix) for `ttl_s`: never demoted out of L1/L2 by advice, never deleted from L3.
+
+    The pin counts `block_bytes` per block not yet pinned (0: the service's own figure) against `tenant`'s
+    cap and the deployment's (shared/eviction/pins.py). `whole`: all or nothing (a named cache); else a
+    pool full for everyone pins the leading run that fits. `release`: unpin `hashes` instead (a deleted
+    named cache frees its budget).
+    """
+
+    SCHEMA_VERSION = 2  # 2: tenant, block_bytes, whole, release
 
     hashes: list[HexHash] = Field(min_length=1)
     ttl_s: float = Field(gt=0)
+    tenant: str = ""  # the L3 namespace (from the tenant's salt, shared/serving/worker_tiers.py namespace_for)
+    block_bytes: int = Field(default=0, ge=0)
+    whole: bool = False
+    release: bool = False
 
 
 class PinReply(Message):
+    """`pinned` leading blocks are pinned until `until`; `refused` names the cap that stopped the rest."""
+
+    SCHEMA_VERSION = 2  # 2: refused, cap_bytes, used_bytes, wanted_bytes
+
     pinned: int = Field(ge=0)
     until: float  # unix seconds; a later pin of the same hash only extends it
+    refused: Literal["tenant", "pool"] | None = None
+    cap_bytes: int | None = None  # the cap that refused (None: unbounded or nothing refused)
+    used_bytes: int = 0  # what the tenant (refused: tenant) or the pool (otherwise) holds pinned now
+    wanted_bytes: int = 0  # new pinned bytes the request asked for

@@ -66,14 +66,14 @@ class EvictionService:
 
     def __init__(self, nc: NATS, js: JetStreamContext, publisher: Publisher, settings: EvictionSettings,
                  l1_capacity: int, l3: L3Store | None = None, registry: CollectorRegistry | None = None,
-                 events: KVEventPublisher | None = None) -> None:
+                 events: KVEventPublisher | None = None, pins: PinTable | None = None) -> None:
         self.nc, self.js, self.publisher, self.settings, self.l3 = nc, js, publisher, settings, l3
         self.events = events
         if events is not None and l3 is not None:  # what the scrub finds damaged and deletes
             l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
         self.policy = get_policy(settings.policy)
         self.view = OccupancyView()
-        self.pins = PinTable()
+        self.pins = PinTable() if pins is None else pins  # no caps unless given (setup.py gives the settings')
         self.advisor = Advisor(self.view, self.pins, self.policy, settings, l1_capacity)
         # One book of sessions for the planner's pins and, with the session-aware policy, the advisor's
         # ranking (which ranks afresh every tick: no re-key sets to collect).
@@ -119,9 +119,25 @@ class EvictionService:
     # --- endpoint --------------------------------------------------------
 
     async def pin(self, req: PinRequest) -> PinReply:
-        until = time.time() + req.ttl_s
-        n = self.pins.pin((bytes.fromhex(h) for h in req.hashes), until)
-        return PinReply(pinned=n, until=until)
+        """A tenant's pin (or release) within its cap and the pool's; a refusal names the cap and the bytes."""
+        now = time.time()
+        until = now + req.ttl_s
+        hashes = [bytes.fromhex(h) for h in req.hashes]
+        ledger = self.pins.tenants
+        if req.release:
+            return PinReply(pinned=self.pins.release(req.tenant, hashes), until=now,
+                            used_bytes=ledger.tenant_used(req.tenant))
+        g = self.pins.pin_for(req.tenant, hashes, req.block_bytes or self.pins.block_bytes, until, now, req.whole)
+        if g.refused is None:
+            return PinReply(pinned=g.granted, until=until, used_bytes=ledger.tenant_used(req.tenant),
+                            wanted_bytes=g.wanted_bytes)
+        tenant = g.refused.value == "tenant"
+        log.info("pin refused", tenant=req.tenant, cap=g.refused.value, wanted_bytes=g.wanted_bytes,
+                 pinned=g.granted)
+        return PinReply(pinned=g.granted, until=until, refused=g.refused.value,
+                        cap_bytes=ledger.tenant_cap if tenant else ledger.pool_cap,
+                        used_bytes=ledger.tenant_used(req.tenant) if tenant else ledger.used(),
+                        wanted_bytes=g.wanted_bytes)
 
     # --- periodic work -----------------------------------------------------
 

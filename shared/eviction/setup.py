@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shared.eviction.messages import PinRequest
+from shared.eviction.pins import PinTable, kv_block_bytes
 from shared.eviction.service import EvictionService
 from shared.kv_events.publisher import KVEventPublisher
 from shared.protocol import subjects
@@ -18,9 +19,12 @@ async def setup(ctx: ServiceContext) -> None:
     events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)  # L3 deletions -> the cache index
     await events.start(ctx.nc)
     ctx.kv_position = events.position
+    block_bytes = 1  # without a model dir, a pin that does not say its size counts one byte a block
+    if s.model_dir is not None and (s.model_dir / "config.json").is_file():
+        block_bytes = kv_block_bytes(s.model_dir, s.engine.dtype, s.engine.block_size)
     service = EvictionService(ctx.nc, ctx.js, ctx.publisher, s.eviction,
                               s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry,
-                              events)
+                              events, PinTable.with_caps(s.eviction, s.pins, block_bytes))
     await service.start()
     ctx.add_endpoint(subjects.EVICTION_PIN, PinRequest, service.pin)
     ctx.on_stop.append(service.stop)
