@@ -22,7 +22,7 @@ from shared.ingress.gateway import Gateway, GatewayError, GenerationRequest
 from shared.ingress.router import WorkerTable
 from shared.protocol import subjects
 from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.serving import DecodeJob, PrefillJob, SamplingSpec, TokenEvent
+from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob, SamplingSpec, TokenEvent
 from shared.protocol.streams import declare_all
 from shared.service.watch import Change, WorkerChange
 
@@ -145,3 +145,56 @@ async def test_too_many_in_flight_is_overload(gateway: Gateway) -> None:
     with pytest.raises(asyncio.CancelledError):
         await first
     assert gateway.in_flight == 0
+
+
+async def test_a_resumed_zombie_is_fenced_and_its_worker_told_to_stop(gateway: Gateway) -> None:
+    """Decode goes silent after two tokens; the ingress migrates. The old attempt then "resumes" and sends a
+    different continuation (and a final event) before the new attempt answers: none of it reaches the
+    client, each of its events is counted, and the replaced worker gets an abort naming attempt 0 only."""
+    rid = f"zombie-{time.monotonic_ns()}"
+    nc = gateway.nc
+    jobs: list[PrefillJob | DecodeJob] = []
+    aborts: list[tuple[str, AbortRequest]] = []
+    aborted = asyncio.Event()
+    stale: list[int] = []
+    gateway.on_stale_event = lambda: stale.append(1)
+
+    async def on_job(msg) -> None:  # type: ignore[no-untyped-def]
+        if msg.subject.startswith("kvmesh.jobs.prefill."):
+            job = PrefillJob.from_bytes(msg.data)
+            if job.request_id == rid:
+                jobs.append(job)
+                await nc.publish(subjects.tokens(rid), _event(rid, 0, [10]))
+                await nc.publish(subjects.tokens(rid), _event(rid, 1, [11]))  # then silence: the worker is paused
+            return
+        job = DecodeJob.from_bytes(msg.data)
+        if job.request_id != rid:
+            return
+        jobs.append(job)
+        # the zombie first: in seq order and ahead of the new attempt, as a splice would need
+        await nc.publish(subjects.tokens(rid), _event(rid, 2, [90, 91]))
+        await nc.publish(subjects.tokens(rid), _event(rid, 4, [92, 93, 94], finished=True, finish_reason="length"))
+        await nc.publish(subjects.tokens(rid), _event(rid, 2, [12, 13, 14, 15, 16], attempt=job.attempt,
+                                                      finished=True, finish_reason="length"))
+
+    async def on_abort(msg) -> None:  # type: ignore[no-untyped-def]
+        aborts.append((msg.subject, AbortRequest.from_bytes(msg.data)))
+        aborted.set()
+
+    subs = [await nc.subscribe(subjects.JOBS_ALL, cb=_spawning(on_job)),
+            await nc.subscribe(subjects.ABORT_ALL, cb=on_abort)]
+    try:
+        req = GenerationRequest(rid, "t", "00", [1, 2, 3], SamplingSpec(max_tokens=7, temperature=0.8))
+        done = await gateway.complete(req)
+        await asyncio.wait_for(aborted.wait(), 10)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    assert done.token_ids == list(range(10, 17)) and done.finish_reason == "length"
+    assert len(stale) == 2  # both zombie events, the early final included
+    prefill, migration = jobs
+    assert isinstance(migration, DecodeJob) and migration.attempt == 1 and migration.generated == [10, 11]
+    replaced = prefill.decode_worker
+    assert aborts == [(subjects.abort(replaced), AbortRequest(request_id=rid, attempt=0, reason="migrated"))]
+    # an unseeded sampled request got one seed at the ingress, and the migrated attempt carries the same one
+    assert prefill.sampling.seed is not None and migration.sampling.seed == prefill.sampling.seed

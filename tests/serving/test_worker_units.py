@@ -55,3 +55,15 @@ def test_parse_audit_counts():
     text = "# HELP x\nkvmesh_cache_audit_total 7.0\nkvmesh_cache_audit_created 1.7e9\nkvmesh_cache_audit_mismatch_total 1.0\n"
     assert parse_counts(text) == (7, 1)
     assert parse_counts("") == (0, 0)
+
+
+def test_ledger_fence_stops_replaced_attempts_only():
+    ledger = JobLedger()
+    assert ledger.claim("f", 0) is Claim.RUN
+    ledger.fence("f", 0)  # a migration replaced attempt 0 while it runs here
+    assert ledger.stale("f", 0) and not ledger.aborted("f")
+    assert ledger.claim("f", 0) is Claim.DONE  # a redelivery of the replaced attempt is acked unrun
+    assert not ledger.stale("f", 1)
+    assert ledger.claim("f", 1) is Claim.RUN  # the migration may come back here: the newer attempt runs
+    ledger.release("f", 0, finished=True)  # the replaced run ends later; attempt 1 is still wanted
+    assert not ledger.stale("f", 1) and ledger.claim("f", 1) is Claim.WAIT
