@@ -10,7 +10,17 @@ by its last block. Inside, a table of contents gives each block's offset
 Writes skip a chunk the store's `KnownChunks` set names (no encode, no
 request; fed by this store's writes and verified reads, and by its owner:
 see known_chunks.py for how it ages), else stat first and skip existing objects (idempotent; a racing identical PUT is
-harmless: S3 PUT is atomic per object). A read that finds an object
+harmless: S3 PUT is atomic per object).
+
+TTL: an object's life is the longest any writer asked for. A writer whose
+`ttl_s` is longer than the store's default (`default_ttl_s`: a named cache
+writes through `replace(store, ttl_s=...)`) never trusts the known set, and a
+writer that finds an object expiring well before its own TTL would rewrites
+its metadata in place (S3 copy onto itself: new `ttl-s` and `last-access`,
+same bytes). A shorter TTL never shortens an object. The stat and the PUT
+(or the rewrite) of one key run under a per-key lock shared by every copy of
+the store, so this process's upload queue and a named cache writing the same
+chunk cannot interleave: whichever comes first, the longer TTL wins. A read that finds an object
 damaged (checksum, truncation, wrong content under its key) deletes it: it
 can never be served, and since writes skip existing keys, only its removal
 lets the next writer of that chunk put a good copy back (`on_quarantined`
@@ -29,12 +39,14 @@ from dataclasses import dataclass, field
 
 import urllib3
 from minio import Minio
+from minio.commonconfig import REPLACE, CopySource
 from minio.error import MinioException, S3Error
 
 from shared.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
 from shared.tiers.chunk_format import Entry, chunk_entries, decode_toc, encode_chunk, toc_size
 from shared.tiers.circuit_breaker import CircuitBreaker
 from shared.tiers.handle import BlockHandle
+from shared.tiers.key_locks import KeyLocks
 from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
@@ -56,6 +68,7 @@ class L3Stats:
 
     chunks_written: int = 0  # PUT
     chunks_skipped: int = 0  # HEAD found the object: idempotent write
+    chunks_extended: int = 0  # HEAD found it expiring before the writer's TTL: metadata rewritten (a copy)
     chunks_known: int = 0  # in the known set: no encode, no request
     chunks_quarantined: int = 0  # found damaged on a read and deleted
     bytes_put: int = 0  # object bytes of successful PUTs (write amplification = bytes_put / unique KV bytes)
@@ -70,7 +83,13 @@ class L3Stats:
 class WriteOutcome(enum.Enum):
     WRITTEN = "written"  # PUT
     EXISTING = "existing"  # HEAD found it
+    EXTENDED = "extended"  # HEAD found it expiring before this writer's TTL: its metadata was rewritten
     KNOWN = "known"  # in the known set: no request
+
+
+# A writer finding an object rewrites its TTL only if the object would expire before this share of the
+# writer's own TTL from now: a refresh of a fresh object costs no request.
+EXTEND_BELOW = 0.9
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +110,17 @@ class L3Store:
     stats: L3Stats = field(default_factory=L3Stats)
     on_quarantined: Callable[[list[bytes]], None] | None = None  # hashes of a damaged chunk this store deleted
     known: KnownChunks | None = None  # chunks known stored: writes skip them unasked (None: always HEAD)
+    default_ttl_s: int | None = None  # the deployment's upload TTL (None: this ttl_s); a longer ttl_s extends objects
+    locks: KeyLocks = field(default_factory=KeyLocks)  # shared by `replace` copies: one writer per key at a time
+
+    def __post_init__(self) -> None:
+        if self.default_ttl_s is None:
+            self.default_ttl_s = self.ttl_s
+
+    @property
+    def longer_ttl(self) -> bool:
+        """This copy writes a TTL longer than the default (a named cache): it checks every object it writes."""
+        return self.default_ttl_s is not None and self.ttl_s > self.default_ttl_s
 
     def key(self, namespace: str, last_hash: bytes) -> str:
         return f"{self.fingerprint}/{namespace}/{last_hash.hex()}"
@@ -138,32 +168,42 @@ class L3Store:
         Raises L3Unavailable (S3 down or breaker open), ValueError (blocks not those of `hashes`).
         """
         key = self.key(namespace, hashes[-1])
-        if self.is_known(namespace, hashes[-1]):
+        if not self.longer_ttl and self.is_known(namespace, hashes[-1]):
             self.stats.chunks_known += 1
             return ChunkWrite(key, WriteOutcome.KNOWN)
         if not self.breaker.allow():
             raise L3Unavailable("L3 circuit open")
+        meta = {"namespace": namespace, "ttl-s": str(self.ttl_s), "last-access": f"{time.time():.0f}",
+                "blocks": str(len(blocks)), "fingerprint": self.fingerprint}
+        extended = False
         try:
-            self.stats.head_requests += 1
-            life = self._life_left(key)
-            if life is None:
-                entries = chunk_entries(list(blocks)) if entries is None else entries
-                if [h for h, _, _ in entries] != list(hashes):
-                    self.breaker.record_success()  # S3 answered; the input is wrong
-                    raise ValueError(f"blocks do not match the hashes of chunk {key}")
-                body, _ = encode_chunk(list(blocks), entries)
-                meta = {"namespace": namespace, "ttl-s": str(self.ttl_s), "last-access": f"{time.time():.0f}",
-                        "blocks": str(len(blocks)), "fingerprint": self.fingerprint}
-                self.stats.put_requests += 1
-                self.client.put_object(self.bucket, key, io.BytesIO(body), len(body),
-                                       content_type="application/octet-stream", metadata=meta)
-                self.stats.bytes_put += len(body)
+            with self.locks.hold(key):
+                self.stats.head_requests += 1
+                life = self._life_left(key)
+                if life is None:
+                    entries = chunk_entries(list(blocks)) if entries is None else entries
+                    if [h for h, _, _ in entries] != list(hashes):
+                        self.breaker.record_success()  # S3 answered; the input is wrong
+                        raise ValueError(f"blocks do not match the hashes of chunk {key}")
+                    body, _ = encode_chunk(list(blocks), entries)
+                    self.stats.put_requests += 1
+                    self.client.put_object(self.bucket, key, io.BytesIO(body), len(body),
+                                           content_type="application/octet-stream", metadata=meta)
+                    self.stats.bytes_put += len(body)
+                elif life < self.ttl_s * EXTEND_BELOW:
+                    self.stats.put_requests += 1
+                    self.client.copy_object(self.bucket, key, CopySource(self.bucket, key), metadata=meta,
+                                            metadata_directive=REPLACE)
+                    life, extended = float(self.ttl_s), True
         except S3_DOWN_ERRORS as exc:
             self.breaker.record_failure()
             raise L3Unavailable(f"put {key}: {exc}") from exc
         self.breaker.record_success()
         # Trusted no longer than the object's TTL: the GC deletes it then, unseen by this worker.
         self.note_known(namespace, hashes[-1], self.ttl_s if life is None else life)
+        if extended:
+            self.stats.chunks_extended += 1
+            return ChunkWrite(key, WriteOutcome.EXTENDED)
         if life is not None:
             self.stats.chunks_skipped += 1
             return ChunkWrite(key, WriteOutcome.EXISTING)
