@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import index_truth, invariants, l3_corrupt, overload
+from chaos import index_truth, invariants, l3_corrupt, overload, zombie
 from chaos.load import Load, Outcome
 from chaos.proxy import Fault, FaultProxy
 from chaos.report import counts, plot
@@ -91,6 +91,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("decode-pause", "SIGSTOP a decode worker for the fault window (its heartbeat lapses, its streams "
              "migrate), then SIGCONT: the zombie must not disturb the streams it lost",
              _signal("decode-0", signal.SIGSTOP), _signal("decode-0", signal.SIGCONT)),
+    Scenario("decode-pause-sampled", "a seeded sampled stream: SIGSTOP its decode worker mid-answer, the ingress "
+             "migrates it, SIGCONT while the new attempt streams: the zombie stops its replaced attempt and the "
+             "client gets exactly the reference continuation", _nothing, timed_fault=False, probe=zombie.probe),
     Scenario("worker-latency", "40 ms +- 20 ms added between every worker and NATS",
              _proxy("nats", Fault(latency_ms=40, jitter_ms=20)), _proxy_heal("nats")),
     Scenario("s3-slow", "300 ms +- 100 ms and a 2 MB/s cap between the workers and S3",
