@@ -191,6 +191,9 @@ class IngressSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     keys_file: Path | None = None  # lines `key:tenant`; default <state_dir>/api_keys when KVMESH_API_KEYS is unset
+    # the salt secret as a file (hex; e.g. a mounted Kubernetes Secret), read when KVMESH_INGRESS_SECRET is unset;
+    # neither: <state_dir>/ingress_secret (made by `kvmesh up`), else the ingress refuses to start
+    secret_file: Path | None = None
     model_id: str = ""  # the id clients name; default: the model dir's name
     max_body_bytes: int = 4 * 1024 * 1024
     rate_limit_per_s: float = 100.0  # per API key, token bucket refill
@@ -252,6 +255,7 @@ class Settings(BaseSettings):
     s3_secure: bool = False
     audit_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # share of cache-hit requests recomputed cold and compared
     api_keys: str | None = None  # `key:tenant,key:tenant`; unset: the ingress keys file
+    ingress_secret: str | None = None  # hex, >= 32 bytes: the deployment's tenant-salt secret (same on every replica)
     kernels: str = "auto"  # auto | torch | triton; kernels/dispatch.py reads KVMESH_KERNELS per call
 
     nats: NatsSettings = Field(default_factory=NatsSettings)

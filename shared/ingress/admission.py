@@ -21,7 +21,7 @@ from shared.config import IngressSettings
 from shared.ingress.auth import KeyRing, Principal
 from shared.ingress.errors import ApiError, ErrorKind, invalid
 from shared.ingress.gateway import Gateway
-from shared.ingress.limits import RateLimiter
+from shared.ingress.limits import MAX_JSON_DEPTH, RateLimiter, check_json_tree
 from shared.ingress.metrics import IngressMetrics
 from shared.ingress.prompt import PromptBuilder
 from shared.sessions.identity import HDR_SESSION, SessionInputError, check_id, scoped_session_id
@@ -75,7 +75,8 @@ def state_of(request: Request) -> IngressState:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past `limit` bytes, 400 if not a JSON object."""
+    """The body as a JSON object; 413 past `limit` bytes (declared or streamed), 400 if not a JSON object,
+    nested too deep or holding invalid Unicode (limits.check_json_tree)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(ErrorKind.REQUEST_TOO_LARGE, f"request body over {limit} bytes")
@@ -90,8 +91,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(b"".join(chunks) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"malformed JSON body: {exc}") from None
+    except RecursionError:  # nesting past the parser's stack: refused like any too-deep body
+        raise invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    check_json_tree(body)
     return body
 
 

@@ -8,6 +8,10 @@ reads the shared `IngressState` from `request.app.state.ingress` and raises
 response (errors included) carries `x-request-id` on OpenAI routes and
 `request-id` on Anthropic ones. A well-formed `x-session-id` is bound to logs at once; a generation route
 rebinds the session it resolves (shared/ingress/sessions.py).
+
+The public port serves the API, /healthz, /readyz and, to API-key holders,
+the OpenAPI document (/openapi.json, shared/ingress/openapi.py). Metrics are
+not here: the service runner's side port (`service.http_port`) serves them.
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.ingress.admission import IngressState
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, dialect_of
 from shared.ingress.gateway import GatewayError
+from shared.ingress.openapi import build_openapi
 from shared.log import bind_request, get_logger
 from shared.sessions.identity import MAX_ID_CHARS
 
@@ -57,7 +61,8 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         request_id = "req_" + uuid.uuid4().hex
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        # latin-1, as HTTP defines header bytes: a value that is not UTF-8 must not fail the request here
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         client_session = _session_id(headers.get("x-session-id", ""))
         scope.setdefault("state", {})
         scope["state"]["request_id"] = request_id
@@ -91,8 +96,13 @@ def gateway_api_error(exc: GatewayError) -> ApiError:
     return ApiError(exc.kind, exc.message, retry_after_s=retry)
 
 
-def create_app(state: IngressState, registry: CollectorRegistry | None = None) -> FastAPI:
-    """The ingress app over `state`; `registry` is served on /metrics."""
+def _cache(app: FastAPI) -> dict:
+    app.openapi_schema = build_openapi(app)
+    return app.openapi_schema
+
+
+def create_app(state: IngressState) -> FastAPI:
+    """The ingress app over `state`."""
     from shared.ingress import openai_api
 
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None, openapi_url=None)
@@ -133,10 +143,10 @@ def create_app(state: IngressState, registry: CollectorRegistry | None = None) -
         ready = state.gateway.ready()
         return PlainTextResponse("ready" if ready else "not ready", status_code=200 if ready else 503)
 
-    if registry is not None:
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        state.keyring.authenticate(request)  # the document tells what this server runs: key holders only
+        return JSONResponse(app.openapi())
 
     routes = [r for r in app.routes if isinstance(r, BaseRoute)]
     app.include_router(openai_api.router)
@@ -151,6 +161,7 @@ def create_app(state: IngressState, registry: CollectorRegistry | None = None) -
         app.include_router(getattr(mod, attr))
         routes += getattr(mod, attr).routes
         getattr(mod, "install", lambda _state: None)(state)  # e.g. named caches set state.cache_lookup
+    app.openapi = lambda: app.openapi_schema or _cache(app)  # type: ignore[method-assign]
     app.add_middleware(RequestIdMiddleware, routes=routes,
                        count=lambda route, status: state.metrics.requests.labels(route, str(status)).inc())
     return app

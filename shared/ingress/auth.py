@@ -4,8 +4,8 @@ Keys come from `KVMESH_API_KEYS` (`key:tenant,key:tenant`) or the keys file
 (one `key:tenant` per line; `#` comments). A tenant's salt is
 HMAC-SHA256(server secret, tenant), computed here from the authenticated
 tenant and never from anything the client sends, so two tenants' identical
-prompts hash to different blocks. The secret lives in the state dir (made
-once, 0600) unless given.
+prompts hash to different blocks. The secret is the deployment's, shared by
+every replica (shared/ingress/salt_secret.py says where it comes from).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from fastapi import Request
 
 from shared.ingress.errors import ApiError, ErrorKind
 
-SECRET_FILE = "ingress_secret"
 KEYS_FILE = "api_keys"
 
 
@@ -55,17 +54,6 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def load_secret(state_dir: Path) -> bytes:
-    """The server secret salts derive from: read from the state dir, created once if absent."""
-    path = state_dir / SECRET_FILE
-    if not path.exists():
-        try:
-            _write_private(path, secrets.token_hex(32))
-        except FileExistsError:  # another ingress replica made it first
-            pass
-    return bytes.fromhex(path.read_text().strip())
-
-
 def ensure_dev_key(keys_file: Path, tenant: str = "dev") -> str | None:
     """Create a keys file with one fresh key for `tenant` if none exists; returns the new key (or None)."""
     if keys_file.exists():
@@ -88,10 +76,12 @@ class KeyRing:
         self._secret = secret
 
     @classmethod
-    def from_settings(cls, api_keys: str | None, keys_file: Path | None, state_dir: Path) -> KeyRing:
+    def from_settings(cls, api_keys: str | None, keys_file: Path | None, state_dir: Path, secret: bytes
+                      ) -> KeyRing:
+        """Keys from `api_keys`, else the keys file (default `<state_dir>/api_keys`); salts from `secret`."""
         path = keys_file or state_dir / KEYS_FILE
         text = api_keys if api_keys else (path.read_text() if path.is_file() else "")
-        return cls(parse_keys(text), load_secret(state_dir))
+        return cls(parse_keys(text), secret)
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -1,12 +1,17 @@
-"""Per-key rate limiting: a token bucket per API key (429 + Retry-After when empty)."""
+"""Request limits: a token bucket per API key (429 + Retry-After when empty), and the shape of a JSON body."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from shared.ingress.errors import ApiError, ErrorKind
+from shared.ingress.errors import ApiError, ErrorKind, invalid
+
+# Deeper bodies are refused (400): nothing the dialects define nests past ~20 (a tool's JSON schema), and deep
+# values would reach code that recurses (validation, schema compilers, json.dumps) and fail there as a 500.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(slots=True)
@@ -43,3 +48,35 @@ class RateLimiter:
         full = [k for k, b in self._buckets.items() if b.tokens + (now - b.stamp) * self.rate_per_s >= self.burst]
         for k in full:
             del self._buckets[k]
+
+
+def check_json_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """400 (ApiError) for a parsed JSON value nested deeper than `max_depth` or holding a string that is not
+    valid Unicode (a lone surrogate such as "\\ud800" parses, but cannot be encoded or tokenized).
+
+    Iterative, so the check itself cannot hit the recursion limit; it visits each node once."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node)
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > max_depth:
+            raise invalid(f"the request body nests deeper than {max_depth} levels")
+        if isinstance(node, dict):
+            for key, item in node.items():
+                _check_text(key)
+                stack.append((item, depth + 1))
+        else:
+            stack.extend((item, depth + 1) for item in node)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid("the request body holds a string that is not valid Unicode (a lone surrogate)") from None

@@ -29,6 +29,7 @@ from shared.ingress.metrics import IngressMetrics
 from shared.ingress.prefix_locator import PrefixLocator, model_fingerprint
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.router import WorkerTable
+from shared.ingress.salt_secret import load_secret
 from shared.ingress.session_table import SessionTable
 from shared.ingress.sessions import ChainHasher, SessionTracker
 from shared.log import get_logger
@@ -55,7 +56,7 @@ def model_limits(model_dir: Path) -> tuple[int, list[int]]:
 
 
 def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metrics: IngressMetrics,
-                model_dir: Path) -> IngressState:
+                model_dir: Path, secret: bytes) -> IngressState:
     """The routes' shared state. Sessions hash chains as the workers do when the locator knows the model's
     fingerprint; without it they still infer sessions, but their events name no blocks."""
     s = settings.ingress
@@ -63,7 +64,7 @@ def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metr
     fingerprint = gateway.locator.fingerprint if gateway.locator is not None else None
     sessions = SessionTracker(SessionTable(block_size), ChainHasher(block_size, fingerprint), metrics,
                               gateway.publisher)
-    keyring = KeyRing.from_settings(settings.api_keys, s.keys_file, settings.state_dir)
+    keyring = KeyRing.from_settings(settings.api_keys, s.keys_file, settings.state_dir, secret)
     context_len, eos_ids = model_limits(model_dir)
     if not len(keyring):
         log.warning("no API keys configured: every request will get 401 (set KVMESH_API_KEYS or the keys file)")
@@ -89,6 +90,8 @@ async def _prefix_locator(ctx: ServiceContext, model_dir: Path) -> PrefixLocator
 
 async def setup(ctx: ServiceContext) -> None:
     settings = ctx.settings
+    # first: without the deployment's secret this replica would salt tenants unlike its peers (SecretError)
+    secret = load_secret(settings.ingress_secret, settings.ingress.secret_file, settings.state_dir)
     if settings.model_dir is None:
         raise RuntimeError("KVMESH_MODEL_DIR is not set: the ingress needs the model's tokenizer")
     model_dir = Path(settings.model_dir)
@@ -98,8 +101,8 @@ async def setup(ctx: ServiceContext) -> None:
     metrics = IngressMetrics.create(ctx.metrics.registry)
     locator = await _prefix_locator(ctx, model_dir)
     gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator)
-    state = build_state(settings, gateway, tokenizer, metrics, model_dir)
-    app = create_app(state, ctx.metrics.registry)
+    state = build_state(settings, gateway, tokenizer, metrics, model_dir, secret)
+    app = create_app(state)  # metrics stay on the runner's side port (service.http_port), off the public API
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
                                    log_config=None, access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=max(1, int(settings.service.drain_timeout_s))))

@@ -141,6 +141,12 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
         key = ensure_dev_key(keys_file)
         say(f"created a dev API key (tenant 'dev'): {key}" if key else f"API keys: {keys_file}")
         say(f"API: http://{settings.ingress.host}:{settings.ingress.port}/v1 (OpenAI and Anthropic dialects)")
+    if any(s.name == "ingress" and s.replicas for s in specs) and not (
+            settings.ingress_secret or settings.ingress.secret_file):
+        from shared.ingress.salt_secret import ensure_dev_secret  # dev mode: the salt secret lives in the state dir
+
+        if ensure_dev_secret(state_dir):
+            say(f"created the ingress salt secret {state_dir}/ingress_secret (keep it: a new one is a cold cache)")
     for spec in specs:
         for i in range(spec.replicas):
             started = start_service(spec, i, ctx, state_dir / "logs")

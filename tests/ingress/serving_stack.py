@@ -3,19 +3,24 @@
 Every process is started with `python -m services.<name>` and its own
 KVMESH_* environment, logs to a file in the stack's tmp dir, and is killed by
 PID in `stop()` (run it in a fixture's finally). Heartbeat TTLs are short so
-a killed worker is noticed within ~2 s.
+a killed worker is noticed within ~2 s. Every ingress of a stack gets the
+stack's one salt secret (`KVMESH_INGRESS_SECRET`), as the replicas of a
+deployment do; metrics are read from a process's side port (`metrics()`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
+import httpx
 
 from shared.stack.probe import wait_http_ok
 from shared.stack.servers import (
@@ -61,7 +66,9 @@ class ServingStack:
     bucket: str = "kvmesh-ingress-tests"
     ingress_port: int = 0
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    side_ports: dict[str, int] = field(default_factory=dict)  # worker id -> its side HTTP port (/metrics, /readyz)
     extra_env: dict[str, str] = field(default_factory=dict)
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))  # the deployment's salt secret
 
     @property
     def base_url(self) -> str:
@@ -80,6 +87,7 @@ class ServingStack:
             KVMESH_ENGINE__NUM_BLOCKS="512",
             KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
             KVMESH_API_KEYS=",".join(f"{k}:{t}" for k, t in self.api_keys.items()),
+            KVMESH_INGRESS_SECRET=self.secret,
             KVMESH_INGRESS__PORT=str(self.ingress_port),
             KVMESH_LOG_LEVEL="info",
         )
@@ -97,7 +105,12 @@ class ServingStack:
         argv = [sys.executable, "-m", f"services.{service}"]
         self.procs[worker_id] = spawn_process(worker_id, argv, self.root / "logs" / f"{worker_id}.log",
                                               detach=False, env=self.env(worker_id, port))
+        self.side_ports[worker_id] = port
         return port
+
+    def metrics(self, worker_id: str = "ingress-0") -> str:
+        """The Prometheus text of a process's side port (the public API port serves none)."""
+        return httpx.get(f"http://127.0.0.1:{self.side_ports[worker_id]}/metrics", timeout=10).text
 
     def wait_ready(self, port: int, worker_id: str, timeout_s: float = 90.0) -> None:
         self._wait_200(worker_id, f"http://127.0.0.1:{port}/readyz", "not ready", timeout_s)

@@ -27,12 +27,13 @@ def test_keys_and_salts(tmp_path: Path) -> None:
     assert parse_keys("k1:acme, k2:beta\n# note\nk3:acme") == {"k1": "acme", "k2": "beta", "k3": "acme"}
     with pytest.raises(ValueError):
         parse_keys("no-tenant")
-    ring = KeyRing.from_settings("k1:acme,k2:beta", None, tmp_path)
+    secret = bytes(range(32))
+    ring = KeyRing.from_settings("k1:acme,k2:beta", None, tmp_path, secret)
     a, b = ring.lookup("k1"), ring.lookup("k2")
     assert a and b and a.tenant == "acme" and a.salt != b.salt and len(a.salt) == 64
-    assert ring.lookup("k1").salt == KeyRing.from_settings("k9:acme", None, tmp_path).lookup("k9").salt  # same secret
+    assert ring.lookup("k1").salt == KeyRing.from_settings("k9:acme", None, tmp_path, secret).lookup("k9").salt
     assert ring.lookup("k1x") is None and "k1" not in a.key_id
-    other = KeyRing.from_settings("k1:acme", None, tmp_path / "elsewhere")  # another server secret
+    other = KeyRing.from_settings("k1:acme", None, tmp_path, bytes(32))  # another deployment's secret
     assert other.lookup("k1").salt != a.salt
 
 
@@ -41,7 +42,7 @@ def test_dev_key_file(tmp_path: Path) -> None:
     key = ensure_dev_key(path)
     assert key and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert ensure_dev_key(path) is None  # made once
-    assert KeyRing.from_settings(None, path, tmp_path).lookup(key).tenant == "dev"
+    assert KeyRing.from_settings(None, path, tmp_path, bytes(32)).lookup(key).tenant == "dev"
 
 
 def test_rate_limiter_refills() -> None:

@@ -14,7 +14,6 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -88,7 +87,7 @@ def key_homed_on(workers: list[str], target: str) -> str:
 
 
 def retries(stack: ServingStack) -> float:
-    text = httpx.get(f"{stack.base_url}/metrics").text
+    text = stack.metrics()
     match = re.search(r"^kvmesh_ingress_retries_total (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 

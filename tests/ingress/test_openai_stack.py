@@ -165,10 +165,12 @@ def test_metrics_and_headers(stack: ServingStack) -> None:
                          "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"].startswith("req_")
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
-    text = httpx.get(f"{stack.base_url}/metrics").text
+    text = stack.metrics()
     assert 'kvmesh_ingress_requests_total{route="/v1/completions",status="200"}' in text
     assert "kvmesh_ingress_ttft_seconds_count" in text and "kvmesh_ingress_cached_tokens_total" in text
     assert httpx.get(f"{stack.base_url}/readyz").status_code == 200
+    public = httpx.get(f"{stack.base_url}/metrics")  # metrics live on the side port only
+    assert public.status_code == 404 and public.json()["error"]["type"] == "invalid_request_error"
     assert '"session_id": "sess-42"' in stack.log("ingress-0") or '"session_id":"sess-42"' in stack.log("ingress-0")
 
 

@@ -283,7 +283,7 @@ def test_agent_loop_turns_are_tool_calls_with_hints(stack: ServingStack) -> None
     assert e3.outcome is TurnOutcome.TOOL_CALLS and e3.tools == ["read_file"] and e3.expected_return_ms == 2000
 
     # the turn published as an answer was revealed as a tool call by the next request: counted
-    metrics = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    metrics = stack.metrics()
     assert 'kvmesh_ingress_session_outcome_checks_total{actual="tool_calls",published="answer"}' in metrics
     assert 'kvmesh_ingress_sessions_total{source="header"}' in metrics
 

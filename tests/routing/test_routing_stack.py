@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -79,7 +78,7 @@ def seed_on(stack: ServingStack, worker: str, prompt: str) -> None:
 
 
 def metric(stack: ServingStack, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{stack.base_url}/metrics").text, re.M)
+    match = re.search(rf"^{name} (\S+)$", stack.metrics(), re.M)
     return float(match.group(1)) if match else 0.0
 
 
