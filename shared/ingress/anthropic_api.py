@@ -30,6 +30,7 @@ from shared.ingress.cache_control import (
 from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
 from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
 from shared.ingress.openai_api import _account  # one place logs and counts a finished request
+from shared.ingress.pin_admission import admit_pins, prompt_hashes
 from shared.ingress.prompt import PromptBuilder
 from shared.ingress.sessions import SessionInputs, Turn, inputs
 from shared.ingress.sse import SSE_HEADERS, sse
@@ -140,6 +141,8 @@ async def messages(request: Request) -> Any:
     check_model(adm.state, body.model)
     given = inputs(adm, Dialect.ANTHROPIC)
     req, placed, turn, parsing = _build(adm, body, await named_prefix(adm, body.cache_id), given)
+    if req.pins:  # breakpoints: the tenant's pin budget is checked before the job is queued (429 past it)
+        await admit_pins(adm, req.pins, prompt_hashes(adm.state, req.prompt_ids, req.tenant_salt, req.block_hashes))
     started = time.monotonic()
     if not body.stream:
         done = await adm.state.gateway.complete(req)

@@ -2,9 +2,13 @@
 
 `POST /v1/caches {model, system?, tools?, messages?, ttl | ttl_seconds}`
 renders the prefix (chat template, no generation prompt, piecewise ids as
-every request), runs a `prefill_only` job pinned for the TTL (the prefill
-worker computes it, pins it and waits for its L3 write), then stores the
-metadata (named_cache_store.py) and returns `{id: "cache_...", ...}`. TTL:
+every request), pins it whole in the eviction service for the tenant (a 429
+when that passes the tenant's pin cap, which is its L3 quota, or the
+deployment's: pin_admission.py), runs a `prefill_only` job pinned for the
+TTL (the prefill worker computes it, pins it and writes it to L3 with the
+cache's TTL, which wins over the upload's), then stores the
+metadata (named_cache_store.py) and returns `{id: "cache_...", ...}`.
+DELETE releases the pins. TTL:
 60 s to 30 days (`ttl` as "90s", "5m", "1h", "7d"). Every route is
 tenant-scoped: another tenant's cache is a 404, as is an expired one.
 A request with `cache_id` gets the cache's messages and tools put first
@@ -31,6 +35,7 @@ from shared.ingress.auth import Principal
 from shared.ingress.errors import ApiError, ErrorKind, invalid
 from shared.ingress.gateway import GenerationRequest
 from shared.ingress.named_cache_store import NamedCache, NamedCacheStore
+from shared.ingress.pin_admission import admit_pins, prompt_hashes, release_pins
 from shared.protocol.serving import CachePin, SamplingSpec
 
 router = APIRouter()
@@ -119,17 +124,20 @@ async def create_cache(request: Request) -> Any:
         raise invalid(f"tools: {exc}", param="tools") from None
     conv, _ = conversation([], system_blocks(body.system), body.messages)
     conv.tools = tools or None
-    prompts, tenant = adm.state.prompts, adm.principal.tenant
-    try:
-        ids = prompts.tokenize(tenant, prompts.render(conv.messages, conv.tools, generation_prompt=False),
-                               conv.messages)
-    except ChatTemplateError as exc:
-        raise invalid(f"messages: {exc}", param="messages") from None
+    tenant = adm.principal.tenant
+    ids = _prefix_ids(adm.state, tenant, conv.messages, conv.tools)
     budget(adm.state, len(ids), 1)
+    pins = [CachePin(num_tokens=len(ids), ttl_s=float(ttl))]
+    hashes = prompt_hashes(adm.state, ids, adm.principal.salt)
+    await admit_pins(adm, pins, hashes, whole=True)
     req = GenerationRequest(request_id=adm.request_id, tenant=tenant, tenant_salt=adm.principal.salt,
                             prompt_ids=ids, sampling=SamplingSpec(max_tokens=1), session_id=adm.session_id,
-                            pins=[CachePin(num_tokens=len(ids), ttl_s=float(ttl))], prefill_only=True)
-    done = await adm.state.gateway.complete(req)
+                            pins=pins, prefill_only=True)
+    try:
+        done = await adm.state.gateway.complete(req)
+    except BaseException:
+        await release_pins(adm.state, adm.principal.salt, hashes)  # no cache: its budget is free again
+        raise
     now = time.time()
     cache = NamedCache(id="cache_" + uuid.uuid4().hex, tenant=tenant, model=body.model,
                        display_name=body.display_name, messages=conv.messages, tools=conv.tools,
@@ -138,6 +146,16 @@ async def create_cache(request: Request) -> Any:
                        cache_created_tokens=done.cache_created_tokens)
     await store_of(adm.state).put(cache)
     return JSONResponse(cache.public())
+
+
+def _prefix_ids(state: IngressState, tenant: str, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None) -> list[int]:
+    """The cache's prompt ids: its conversation rendered without a generation prompt; 400 if it cannot be."""
+    prompts = state.prompts
+    try:
+        return prompts.tokenize(tenant, prompts.render(messages, tools, generation_prompt=False), messages)
+    except ChatTemplateError as exc:
+        raise invalid(f"messages: {exc}", param="messages") from None
 
 
 @router.get("/v1/caches")
@@ -162,6 +180,13 @@ async def get_cache(request: Request, cache_id: str) -> Any:
 async def delete_cache(request: Request, cache_id: str) -> Any:
     state = state_of(request)
     principal = state.keyring.authenticate(request)
-    if not await store_of(state).delete(principal.tenant, cache_id):
+    store = store_of(state)
+    cache = await store.get(principal.tenant, cache_id)
+    if cache is None or not await store.delete(principal.tenant, cache_id):
         raise _not_found(cache_id)
+    try:
+        ids = _prefix_ids(state, principal.tenant, list(cache.messages), list(cache.tools) if cache.tools else None)
+    except ApiError:  # the template changed since: its pins go when they expire
+        return {"id": cache_id, "object": "cache.deleted", "deleted": True}
+    await release_pins(state, principal.salt, prompt_hashes(state, ids, principal.salt))
     return {"id": cache_id, "object": "cache.deleted", "deleted": True}

@@ -31,17 +31,13 @@ from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import MissCounters, Tier
+from shared.tiers.namespace import namespace_for
 from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
 from shared.tiers.peer_shm import ShmPeerClient
 from shared.tiers.resolver import Resolver
 from shared.tiers.upload_queue import UploadQueue
 
 log = get_logger(__name__)
-
-
-def namespace_for(tenant_salt: str) -> str:
-    """The L3 namespace of a tenant: derived from its salt (never from anything a client sent)."""
-    return f"t-{tenant_salt[:32]}" if tenant_salt else "shared"
 
 
 class L2Source:
