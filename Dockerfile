@@ -43,12 +43,17 @@ ENV PATH=/opt/venv/bin:$PATH \
     KVMESH_SERVICE__HTTP_HOST=0.0.0.0 \
     KVMESH_SERVICE__HTTP_PORT=9090 \
     KVMESH_INGRESS__HOST=0.0.0.0
+# /etc/kvmesh/secrets and nats-auth: where compose mounts its secret volumes; a fresh named volume takes
+# this owner, so the `secrets` one-shot (uid 10001) can write into it.
 RUN groupadd --system --gid 10001 kvmesh && \
-    useradd --system --uid 10001 --gid kvmesh --home-dir /var/lib/kvmesh --create-home kvmesh
+    useradd --system --uid 10001 --gid kvmesh --home-dir /var/lib/kvmesh --create-home kvmesh && \
+    install -d -o 10001 -g 10001 -m 0700 /etc/kvmesh/secrets /etc/kvmesh/nats-auth
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /models /models
 # Run as `python deploy/declare_streams.py` from WORKDIR (compose, the chart's init container).
 COPY deploy/declare_streams.py /app/deploy/declare_streams.py
+# compose's `secrets` one-shot (generated secrets, NATS users from shared/bus/permissions.py).
+COPY deploy/compose_secrets.py /app/deploy/compose_secrets.py
 WORKDIR /app
 # Numeric, so Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001

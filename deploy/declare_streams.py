@@ -3,7 +3,9 @@
 The one-shot step a container deployment runs before any service (a compose
 service, a Kubernetes init container): the service runner only binds its
 consumers, it never creates shared streams. Reads KVMESH_NATS_URL and
-KVMESH_NATS__REPLICAS like every service; idempotent (create-or-update), so
+KVMESH_NATS__REPLICAS like every service, and connects as KVMESH_NATS_USER
+(the `admin` role: the services' users may not create streams), with TLS
+when KVMESH_NATS_TLS_* are set; idempotent (create-or-update), so
 every pod may run it. NATS may still be starting or forming its cluster
 (no JetStream quorum yet): keep trying for `--wait` seconds, then exit 1.
 Logs are JSON lines on stderr, like the services'.
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import time
 
+from shared.bus.client_auth import ClientAuth
 from shared.bus.connection import close, connect
 from shared.config import Settings, load_settings
 from shared.log import configure_logging, get_logger
@@ -28,7 +31,7 @@ async def declare(settings: Settings, wait_s: float) -> None:
     """Connect (retrying up to wait_s) and declare everything, retrying JetStream errors until the same deadline."""
     deadline = time.monotonic() + wait_s
     bus = settings.bus.model_copy(update={"connect_retry_total_s": max(wait_s, 1.0)})
-    nc = await connect(settings.nats_url or "", "declare-streams", bus)
+    nc = await connect(settings.nats_url or "", "declare-streams", bus, ClientAuth.from_settings(settings))
     try:
         while True:
             try:

@@ -7,7 +7,8 @@ import pytest
 from .chart import COMPONENTS, RELEASE, by_kind, merged, name, render, validate_manifests
 from .settings_env import assert_settings_apply
 
-EXTERNAL = {"nats": {"deploy": False, "url": "nats://nats.messaging:4222", "streamReplicas": 3},
+EXTERNAL = {"nats": {"deploy": False, "url": "nats://nats.messaging:4222", "streamReplicas": 3,
+                     "auth": {"existingSecret": "nats-users"}},
             "minio": {"deploy": False, "endpoint": "s3.storage:9000", "secure": True}}
 VARIANTS = {
     "defaults": {},
@@ -20,7 +21,12 @@ VARIANTS = {
     "autoscaling": {"prefill": {"autoscaling": {"enabled": True, "maxReplicas": 6}},
                     "decode": {"autoscaling": {"enabled": True}}},
     "existing-secrets": {"apiKeys": {"keys": [], "existingSecret": "my-keys"},
-                         "s3": {"accessKey": "", "secretKey": "", "existingSecret": "my-s3"}},
+                         "s3": {"accessKey": "", "secretKey": "", "existingSecret": "my-s3"},
+                         "ingressSecret": {"existingSecret": "my-salt"},
+                         "minio": {"serviceUser": {"existingSecret": "my-s3-services"}},
+                         "nats": {"auth": {"existingSecret": "my-nats"}}},
+    "nats-tls": {"nats": {"tls": {"enabled": True, "secretName": "nats-tls"}}},
+    "nats-open": {"nats": {"auth": {"enabled": False}}},
     "no-pdb-no-netpol": {k: {"pdb": {"enabled": False}} for k in COMPONENTS.values()}
     | {"networkPolicy": {"enabled": False}, "nats": {"pdb": {"enabled": False}}},
 }
@@ -189,7 +195,13 @@ def test_existing_secrets_are_referenced_not_created(rendered) -> None:
     ingress = by_kind(docs, "Deployment")[name("ingress")]["spec"]["template"]["spec"]["containers"][0]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in ingress["env"] if "secretKeyRef" in
             e.get("valueFrom", {})}
-    assert refs == {"KVMESH_API_KEYS": "my-keys", "KVMESH_S3_ACCESS_KEY": "my-s3", "KVMESH_S3_SECRET_KEY": "my-s3"}
+    assert refs == {"KVMESH_API_KEYS": "my-keys", "KVMESH_S3_ACCESS_KEY": "my-s3-services",
+                    "KVMESH_S3_SECRET_KEY": "my-s3-services", "KVMESH_NATS_PASSWORD": "my-nats"}
+    volumes = {v["name"]: v for v in by_kind(docs, "Deployment")[name("ingress")]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ingress-secret"]["secret"]["secretName"] == "my-salt"
+    job = by_kind(docs, "Job")[name("minio-bucket")]["spec"]["template"]["spec"]["containers"][0]
+    job_refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in job["env"] if "valueFrom" in e}
+    assert job_refs == {"my-s3", "my-s3-services"}  # the root key stays with the job (and MinIO)
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -199,7 +211,7 @@ def _matches(selector: dict, labels: dict) -> bool:
 def test_network_policies_admit_only_kvmesh_pods(rendered) -> None:
     docs = rendered["defaults"]
     policies = by_kind(docs, "NetworkPolicy")
-    assert set(policies) == {name("nats"), name("minio")}
+    assert set(policies) == {name("nats"), name("minio"), name("services"), name("ingress")}
     pods = [(d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"])
             for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]
     services = {name(c) for c in COMPONENTS}

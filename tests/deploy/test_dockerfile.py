@@ -104,11 +104,19 @@ def test_copied_paths_exist_and_pass_dockerignore(instructions) -> None:
             assert src.rstrip("/") in allowed, f"{src} is excluded by .dockerignore"
 
 
-def test_declare_script_sits_where_compose_and_the_chart_run_it(instructions) -> None:
+def test_deploy_scripts_sit_where_compose_and_the_chart_run_them(instructions) -> None:
     (workdir,) = [i.args for i in _final(instructions) if i.op == "WORKDIR"]
     copies = [shlex.split(i.args) for i in _final(instructions) if i.op == "COPY" and not i.args.startswith("--")]
-    assert ["deploy/declare_streams.py", f"{workdir}/deploy/declare_streams.py"] in copies
+    for script in ("deploy/declare_streams.py", "deploy/compose_secrets.py"):
+        assert [script, f"{workdir}/{script}"] in copies
     compose = (ROOT / "compose.yaml").read_text()
     chart = (ROOT / "helm" / "kvmesh" / "templates" / "_deployment.tpl").read_text()
-    for text in (compose, chart):
-        assert '["python", "deploy/declare_streams.py"]' in text
+    assert '["python", "deploy/declare_streams.py"]' in chart
+    assert "exec python deploy/declare_streams.py" in compose  # after sourcing the admin user's env
+    assert '["python", "deploy/compose_secrets.py"]' in compose
+
+
+def test_compose_secret_volumes_start_owned_by_the_service_user(instructions) -> None:
+    """A fresh named volume copies its mount point's owner from the image: the `secrets` one-shot can write."""
+    runs = " ".join(i.args for i in _final(instructions) if i.op == "RUN")
+    assert "install -d -o 10001 -g 10001 -m 0700 /etc/kvmesh/secrets /etc/kvmesh/nats-auth" in runs

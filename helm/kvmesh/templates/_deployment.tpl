@@ -2,8 +2,10 @@
 The Deployment of one kvmesh service. Every component runs the same image as
 `python -m services.<module>`; an init container declares the JetStream
 streams first (create-or-update, idempotent) because the runner only binds
-consumers. Probes hit the runner's side port: /healthz (alive), /readyz
-(NATS connected, consumers bound, service check).
+consumers; it connects as NATS's admin user, the service container as its
+own role's user (component name = role, shared/bus/permissions.py). Probes
+hit the runner's side port: /healthz (alive), /readyz (NATS connected,
+consumers bound, service check).
 */}}
 {{- define "kvmesh.deployment" -}}
 {{- $root := .root }}
@@ -50,8 +52,16 @@ spec:
           envFrom:
             - configMapRef:
                 name: {{ include "kvmesh.fullname" $root }}-config
+          {{- if or $root.Values.nats.auth.enabled $root.Values.nats.tls.enabled }}
+          env:
+            {{- include "kvmesh.natsClientEnv" (dict "root" $root "role" "admin") | nindent 12 }}
+          {{- end }}
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
+          {{- if $root.Values.nats.tls.enabled }}
+          volumeMounts:
+            - {name: nats-tls, mountPath: /etc/kvmesh/nats-tls, readOnly: true}
+          {{- end }}
       containers:
         - name: {{ .component }}
           image: {{ include "kvmesh.image" $root }}
@@ -73,12 +83,15 @@ spec:
                 fieldRef:
                   fieldPath: metadata.name
             {{- include "kvmesh.s3Env" $root | nindent 12 }}
+            {{- include "kvmesh.natsClientEnv" (dict "root" $root "role" .component) | nindent 12 }}
             {{- if eq .module "ingress" }}
             - name: KVMESH_API_KEYS
               valueFrom:
                 secretKeyRef: {name: {{ include "kvmesh.apiKeysSecret" $root }}, key: {{ $root.Values.apiKeys.secretKey }}}
             - name: KVMESH_INGRESS__PORT
               value: {{ $v.port | quote }}
+            - name: KVMESH_INGRESS__SECRET_FILE
+              value: /etc/kvmesh/ingress-secret/secret
             {{- end }}
             {{- if $gpu }}
             - name: KVMESH_ENGINE__DEVICE
@@ -112,9 +125,34 @@ spec:
             - name: shm
               mountPath: /dev/shm
             {{- end }}
+            {{- if eq .module "ingress" }}
+            - name: ingress-secret
+              mountPath: /etc/kvmesh/ingress-secret
+              readOnly: true
+            {{- end }}
+            {{- if $root.Values.nats.tls.enabled }}
+            - {name: nats-tls, mountPath: /etc/kvmesh/nats-tls, readOnly: true}
+            {{- end }}
       volumes:
         - name: state
           emptyDir: {}
+        {{- if eq .module "ingress" }}
+        # One salt secret for every replica (never a per-pod file): same tenant, same block hashes.
+        - name: ingress-secret
+          secret:
+            secretName: {{ include "kvmesh.ingressSecretName" $root }}
+            items:
+              - {key: {{ $root.Values.ingressSecret.secretKey }}, path: secret}
+            defaultMode: 0440
+        {{- end }}
+        {{- if $root.Values.nats.tls.enabled }}
+        # Only the CA: clients verify the server; the server's key stays in the NATS pods.
+        - name: nats-tls
+          secret:
+            secretName: {{ required "nats.tls.secretName is required with nats.tls.enabled" $root.Values.nats.tls.secretName }}
+            items:
+              - {key: ca.crt, path: ca.crt}
+        {{- end }}
         {{- if $root.Values.model.existingClaim }}
         - name: model
           persistentVolumeClaim:
