@@ -26,6 +26,10 @@ class NatsSettings(BaseModel):
     cluster_nodes: int = 1  # 1, or an odd number >= 3: a routed cluster on loopback (node 0 on port/monitor_port)
     replicas: int = 1  # stream replicas; a local cluster declares at least 3
     max_payload: int = 8 * 1024 * 1024
+    auth: bool = True  # users with per-role permissions (shared/bus/permissions.py), passwords in the state dir
+    tls_cert: Path | None = None  # server certificate and key: clients then connect with TLS
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # the CA that signed tls_cert: services verify the server with it
 
 
 class S3Settings(BaseModel):
@@ -249,6 +253,11 @@ class Settings(BaseSettings):
 
     # External servers: when set, `kvmesh up` uses them instead of starting local ones.
     nats_url: str | None = None
+    nats_user: str | None = None  # this process's NATS user (`kvmesh up` gives each service its own)
+    nats_password: str | None = None
+    nats_tls_ca: Path | None = None  # client side TLS: the CA that signed the server's certificate
+    nats_tls_cert: Path | None = None  # client certificate and key, for servers that verify clients
+    nats_tls_key: Path | None = None
     s3_endpoint: str | None = None
     s3_access_key: str | None = None
     s3_secret_key: str | None = None

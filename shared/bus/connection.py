@@ -7,6 +7,9 @@ reconnecting are buffered by nats-py and flushed on reconnect; JetStream
 publishes are additionally retried by `shared.bus.publish`. The first connect
 is retried too (NATS may still be starting) but only for
 `connect_retry_total_s`; then `ConnectionError` says which URL never answered.
+With a `ClientAuth` the process connects as its NATS user (credentials in
+the URLs, optional TLS, its own reply-inbox prefix); a refused login is
+retried like an unreachable server, then reported as such.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.client import Server
 
+from shared.bus.client_auth import ClientAuth, connect_kwargs
 from shared.config import BusSettings
 from shared.log import get_logger
 
@@ -40,15 +44,19 @@ class _Hooks:
     settings: BusSettings
     nc: NATS
     rng: random.Random = field(default_factory=random.Random)  # jitter only; nothing is derived from it
+    last_error: Exception | None = None  # said when the first connect gives up (e.g. an authorization violation)
 
     def pick_server(self, pool: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
         server = min(pool, key=lambda s: s.reconnects)
         return server, reconnect_delay(server.reconnects, self.settings, self.rng)
 
     def server(self) -> str:
-        return str(self.nc.connected_url.netloc) if self.nc.connected_url else ""
+        """host:port only: the URL itself carries the password."""
+        url = self.nc.connected_url
+        return f"{url.hostname}:{url.port}" if url else ""
 
     async def on_error(self, exc: Exception) -> None:
+        self.last_error = exc
         log.warning("nats error", connection=self.name, error=repr(exc))
 
     async def on_disconnected(self) -> None:
@@ -62,16 +70,15 @@ class _Hooks:
         log.info("nats connection closed", connection=self.name)
 
 
-async def connect(url: str, name: str, settings: BusSettings | None = None) -> NATS:
-    """An open connection to `url` (comma-separated URLs for a cluster)."""
+async def connect(url: str, name: str, settings: BusSettings | None = None, auth: ClientAuth | None = None) -> NATS:
+    """An open connection to `url` (comma-separated URLs for a cluster), as `auth`'s user when given."""
     settings = settings or BusSettings()
     nc = NATS()
     hooks = _Hooks(name, settings, nc)
-    servers = [u.strip() for u in url.split(",") if u.strip()]
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=servers,
+                **connect_kwargs(url, auth),
                 name=name,
                 connect_timeout=settings.connect_timeout_s,
                 allow_reconnect=True,
@@ -87,7 +94,10 @@ async def connect(url: str, name: str, settings: BusSettings | None = None) -> N
         )
     except TimeoutError:
         await nc.close()
-        raise ConnectionError(f"NATS at {url} did not answer within {settings.connect_retry_total_s:.0f}s") from None
+        why = f" (last error: {hooks.last_error!r})" if hooks.last_error else ""
+        where = ",".join(ClientAuth().server_url(u) for u in url.split(",") if u.strip())  # without credentials
+        raise ConnectionError(
+            f"NATS at {where} did not answer within {settings.connect_retry_total_s:.0f}s{why}") from None
     log.info("nats connected", connection=name, server=hooks.server())
     return nc
 

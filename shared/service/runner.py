@@ -11,7 +11,10 @@ Contract with the stack launcher (`kvmesh up`):
   env vars (`shared.config.Settings`), in particular `KVMESH_NATS_URL`,
   `KVMESH_SERVICE__HTTP_PORT` (0 = any free port) and
   `KVMESH_SERVICE__WORKER_ID` (default `<name>-<pid>`; letters, digits, '-'
-  and '_' only: it becomes part of subjects and KV keys); `KVMESH_LOG_LEVEL`.
+  and '_' only: it becomes part of subjects and KV keys); `KVMESH_LOG_LEVEL`;
+  `KVMESH_NATS_USER`/`KVMESH_NATS_PASSWORD` (and `KVMESH_NATS_TLS_*`) when
+  NATS has users: replies come to `_INBOX.<role>.<worker id>`, the one inbox
+  prefix that user may read (shared/bus/permissions.py).
   NATS may still be starting: the first connect is retried for
   `bus.connect_retry_total_s` (30 s) before the process exits 1.
 - the launcher runs `shared.protocol.streams.declare_all` before starting
@@ -41,7 +44,9 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from shared.bus.client_auth import ClientAuth
 from shared.bus.connection import close, connect
+from shared.bus.permissions import inbox_prefix
 from shared.bus.consumer import ConsumerLoop, Handler
 from shared.bus.publish import Publisher
 from shared.bus.request import Responder, serve
@@ -150,7 +155,8 @@ class ServiceRunner:
         tasks: list[asyncio.Task[None]] = []
         try:
             self.http_endpoint = await http.start()
-            nc = await connect(s.nats_url or DEFAULT_NATS_URL, f"{self.name}:{self.worker_id}", s.bus)
+            auth = ClientAuth.from_settings(s, inbox_prefix(self.role.value, self.worker_id))
+            nc = await connect(s.nats_url or DEFAULT_NATS_URL, f"{self.name}:{self.worker_id}", s.bus, auth)
             js = nc.jetstream()
             self.ctx = ctx = ServiceContext(self.name, self.role, self.worker_id, s, nc, js,
                                             Publisher(js, s.bus, self.metrics), self.metrics)

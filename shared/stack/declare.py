@@ -11,26 +11,27 @@ from __future__ import annotations
 import asyncio
 import time
 
+from shared.bus.client_auth import ClientAuth, connect_kwargs
 from shared.stack.errors import ExitCode, StackError
 
 RETRY_S = 0.25
 CALL_TIMEOUT_S = 1.0  # per JetStream API call; short, so a retry follows soon after the meta leader is elected
 
 
-def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0) -> None:
-    """nats_url may list a cluster's nodes, comma separated."""
+def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> None:
+    """nats_url may list a cluster's nodes, comma separated; `auth`: a user allowed to declare (admin)."""
     try:
-        asyncio.run(_declare(nats_url, replicas, time.monotonic() + timeout_s))
+        asyncio.run(_declare(nats_url, replicas, time.monotonic() + timeout_s, auth))
     except Exception as exc:  # noqa: BLE001 - connection, timeout or JetStream API errors alike
         raise StackError(ExitCode.START_FAILED, f"declaring streams on {nats_url} failed: {exc!r}") from None
 
 
-async def _declare(nats_url: str, replicas: int, deadline: float) -> None:
+async def _declare(nats_url: str, replicas: int, deadline: float, auth: ClientAuth | None) -> None:
     import nats
     from shared.protocol.streams import declare_all
 
-    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
-    nc = await nats.connect(servers=servers, connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False)
+    nc = await nats.connect(**connect_kwargs(nats_url, auth), connect_timeout=5, max_reconnect_attempts=2,
+                            allow_reconnect=False)
     try:
         while True:
             try:

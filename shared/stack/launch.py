@@ -5,16 +5,25 @@ besides S3; they are kept in ``<state_dir>/s3/ports.json`` and reused on
 restart (its master keeps metadata in a directory named after its port).
 A NATS cluster keeps each node's ports in ``<state_dir>/nats-<i>/ports.json``
 the same way; node 0 takes the configured client and monitor ports.
+A local NATS runs with users by default (`nats.auth`): one per service
+replica and `admin`, passwords in ``<state_dir>/nats-credentials.json``;
+with `nats.tls_cert`/`tls_key` it takes TLS connections only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from shared.bus.client_auth import ClientAuth
+from shared.config import Settings
 from shared.stack.credentials import S3Credentials
 from shared.stack.errors import ExitCode, StackError
+from shared.stack.nats_access import NatsTls
+from shared.stack.nats_credentials import NatsCredentials, load_or_create_nats_credentials, service_role
 from shared.stack.procs import start_ticks
 from shared.stack.servers import (
     BinaryMissingError,
@@ -27,6 +36,7 @@ from shared.stack.servers import (
     nats_cluster,
     port_in_use,
 )
+from shared.stack.services import ServiceSpec
 from shared.stack.state import Endpoint, ProcessRecord
 
 CLUSTER_NAME = "kvmesh-nats"  # nodes are kvmesh-nats-<i>; stable names keep their JetStream data across restarts
@@ -53,17 +63,46 @@ def _start(server: NatsServer | S3Server, what: str, timeout_s: float) -> Manage
         raise StackError(ExitCode.START_FAILED, f"{what}: {exc} (log: {log})") from None
 
 
+def stack_nats_users(settings: Settings, state_dir: Path, specs: Sequence[ServiceSpec]) -> NatsCredentials | None:
+    """The local NATS's users (one per service replica, plus admin), or None: external NATS, or auth off."""
+    if settings.nats_url is not None or not settings.nats.auth:
+        return None
+    wanted = {f"{s.name}-{i}": service_role(s.name) for s in specs for i in range(s.replicas)}
+    return load_or_create_nats_credentials(state_dir, wanted)
+
+
+def stack_nats_tls(settings: Settings) -> NatsTls | None:
+    """The local NATS's certificate (nats.tls_cert and tls_key), or None: plain TCP."""
+    n = settings.nats
+    if settings.nats_url is not None or n.tls_cert is None:
+        return None
+    if n.tls_key is None:
+        raise StackError(ExitCode.USAGE, "nats.tls_cert needs nats.tls_key (KVMESH_NATS__TLS_KEY)")
+    return NatsTls(cert=n.tls_cert, key=n.tls_key, ca=n.tls_ca)
+
+
+def stack_admin_auth(settings: Settings, users: NatsCredentials | None) -> ClientAuth | None:
+    """How the launcher itself connects (declaring streams): admin, TLS-verifying with nats.tls_ca."""
+    if users is None and stack_nats_tls(settings) is None:
+        return None
+    auth = users.admin() if users is not None else ClientAuth()
+    return dataclasses.replace(auth, tls_ca=settings.nats.tls_ca) if settings.nats.tls_ca else auth
+
+
 def local_nats(
-    state_dir: Path, nodes: int, host: str, port: int, monitor_port: int, max_payload: int, bin_dir: Path | None
+    state_dir: Path, nodes: int, host: str, port: int, monitor_port: int, max_payload: int, bin_dir: Path | None,
+    users: NatsCredentials | None = None, tls: NatsTls | None = None,
 ) -> list[NatsServer]:
     """One node storing under <state_dir>/nats, or a cluster of `nodes` (see nats_cluster), not started yet."""
+    auth = users.server_auth() if users is not None else None
     if nodes == 1:
         return [NatsServer(data_dir=state_dir / "nats", host=host, port=port, monitor_port=monitor_port,
-                           max_payload=max_payload, bin_dir=bin_dir)]
+                           max_payload=max_payload, bin_dir=bin_dir, auth=auth, tls=tls)]
     configured = {p for p in (port, monitor_port) if p}
     ports = [_reusable_node_ports(state_dir / f"nats-{i}" / "ports.json", host, configured) for i in range(nodes)]
     ports[0] = NatsNodePorts(port or ports[0].client, monitor_port or ports[0].monitor, ports[0].cluster)
-    return nats_cluster(state_dir, nodes, CLUSTER_NAME, ports, host=host, max_payload=max_payload, bin_dir=bin_dir)
+    return nats_cluster(state_dir, nodes, CLUSTER_NAME, ports, host=host, max_payload=max_payload, bin_dir=bin_dir,
+                        auth=auth, tls=tls)
 
 
 def start_nats(server: NatsServer, timeout_s: float) -> tuple[ProcessRecord, list[Endpoint]]:

@@ -6,6 +6,9 @@ through these classes, so both run the same flags: loopback only, JetStream
 with `sync_interval: always` (an acked write survives a crash), SeaweedFS with
 telemetry off and every port pinned (its defaults collide between instances).
 `nats_cluster` lays out the nodes of a routed NATS cluster for both.
+A NatsServer given `auth` admits only those users, each held to its
+permissions (shared/bus/permissions.py); given `tls`, clients must connect
+with TLS. Its config file then holds passwords and is written mode 0600.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.bus.auth_config import render_accounts
+from shared.stack.nats_access import NatsAuth, NatsTls, write_private
 
 
 class ServerError(RuntimeError):
@@ -158,7 +164,7 @@ def spawn_process(
 
 @dataclass
 class NatsServer:
-    """nats-server with JetStream, bound to loopback, store under data_dir."""
+    """nats-server with JetStream, bound to loopback, store under data_dir; optionally with users and TLS."""
 
     data_dir: Path
     port: int = 0
@@ -168,11 +174,13 @@ class NatsServer:
     cluster: dict | None = None  # {"name":..., "port":..., "routes":[...]} for cluster mode
     server_name: str = "kvmesh-nats"
     bin_dir: Path | None = None  # see find_binary
+    auth: NatsAuth | None = None
+    tls: NatsTls | None = None
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def config_text(self) -> str:
         store = str((self.data_dir / "jetstream").resolve())
@@ -196,7 +204,12 @@ class NatsServer:
                 *(["  no_advertise: true"] if self.cluster.get("no_advertise") else []),  # clients keep their URLs
                 "}",
             ]
-        return "\n".join(lines) + "\n"
+        if self.tls:
+            lines += self.tls.config_lines()
+        text = "\n".join(lines) + "\n"
+        if self.auth:
+            text += render_accounts(self.auth.users, self.auth.system_password)
+        return text
 
     def start(self, detach: bool = False, ready_timeout_s: float = 20.0) -> ManagedProcess:
         binary = find_binary("nats-server", self.bin_dir)
@@ -206,8 +219,8 @@ class NatsServer:
             if port_in_use(p, self.host):
                 raise PortInUseError(f"port {p} on {self.host} is already in use (nats-server)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        write_private(self.data_dir / "nats.conf", self.config_text())  # passwords, when auth is on
         conf = self.data_dir / "nats.conf"
-        conf.write_text(self.config_text())
         self.process = spawn_process("nats", [str(binary), "-c", str(conf)], self.data_dir / "nats.log", detach)
         wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
         wait_for_port(self.monitor_port, self.host, ready_timeout_s, self.process.proc)
@@ -235,6 +248,7 @@ class NatsNodePorts:
 def nats_cluster(
     root: Path, n: int, name: str, ports: Sequence[NatsNodePorts] = (), *,
     host: str = "127.0.0.1", max_payload: int = 8 * 1024 * 1024, bin_dir: Path | None = None,
+    auth: NatsAuth | None = None, tls: NatsTls | None = None,
 ) -> list[NatsServer]:
     """n nodes routed to each other: node i stores under root/nats-i and is named <name>-i (stable across restarts).
 
@@ -258,7 +272,7 @@ def nats_cluster(
     return [
         NatsServer(
             data_dir=root / f"nats-{i}", port=p.client, monitor_port=p.monitor, host=host, max_payload=max_payload,
-            server_name=f"{name}-{i}", bin_dir=bin_dir,
+            server_name=f"{name}-{i}", bin_dir=bin_dir, auth=auth, tls=tls,
             cluster={"name": name, "port": p.cluster, "no_advertise": True,
                      "routes": [r for j, r in enumerate(routes) if j != i]},
         )

@@ -3,6 +3,8 @@
 A service is a package ``<services_package>.<name>`` with a ``__main__``
 (run as ``python -m``). Each replica is its own process with its own worker
 id (``<name>-<i>``) and HTTP port; readiness is ``GET /readyz`` -> 200.
+When the stack's NATS has users, each replica connects as the user named
+after its worker id, held to its role's permissions for that id.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.stack.credentials import S3Credentials
+from shared.stack.nats_credentials import NatsCredentials
 from shared.stack.errors import ExitCode, StackError
 from shared.stack.servers import ManagedProcess, free_port, spawn_process
 
@@ -36,6 +39,8 @@ class ServiceContext:
     state_dir: Path
     model_dir: Path | None
     host: str = "127.0.0.1"
+    nats_users: NatsCredentials | None = None  # None: NATS without auth (or external: the launcher's env)
+    nats_tls_ca: Path | None = None  # the CA services verify a TLS NATS with
 
 
 def discover_services(package: str) -> list[str]:
@@ -80,6 +85,11 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
     )
     if ctx.model_dir is not None:
         env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
+    if ctx.nats_users is not None:
+        _role, password = ctx.nats_users.users[worker_id]
+        env.update(KVMESH_NATS_USER=worker_id, KVMESH_NATS_PASSWORD=password)
+    if ctx.nats_tls_ca is not None:
+        env["KVMESH_NATS_TLS_CA"] = str(ctx.nats_tls_ca)
     return env
 
 

@@ -21,8 +21,11 @@ from shared.config import Settings
 from shared.stack.credentials import S3Credentials, load_or_create_credentials
 from shared.stack.declare import declare_streams
 from shared.stack.errors import ExitCode, StackError
-from shared.stack.launch import local_nats, process_record, start_nats, start_s3
+from shared.stack.launch import (
+    local_nats, process_record, stack_admin_auth, stack_nats_tls, stack_nats_users, start_nats, start_s3,
+)
 from shared.stack.model import resolve_model_dir
+from shared.stack.nats_credentials import NatsCredentials
 from shared.stack.preflight import (
     check_external_nats, check_external_s3, ensure_binaries, ensure_ports_free, ensure_writable,
 )
@@ -127,13 +130,16 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     if opts.fresh:
         for data in (state_dir / "nats", state_dir / "s3", *state_dir.glob("nats-[0-9]*")):
             shutil.rmtree(data, ignore_errors=True)
-    _nats(settings, opts, state)
+    nats_users = stack_nats_users(settings, state_dir, specs)  # None: external NATS, or nats.auth off
+    _nats(settings, opts, state, nats_users)
     creds = _s3(settings, opts, state)
-    declare_streams(state.nats_url, _stream_replicas(settings, opts), settings.stack.ready_timeout_s)
+    declare_streams(state.nats_url, _stream_replicas(settings, opts), settings.stack.ready_timeout_s,
+                    stack_admin_auth(settings, nats_users))
     needs_model = any(s.replicas for s in specs)
     model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
-                         creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host)
+                         creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
+                         nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None)
     if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
         from shared.ingress.auth import KEYS_FILE, ensure_dev_key  # the stack needs fastapi only here
 
@@ -162,14 +168,15 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
         say(f"  {e.name:<14} {e.url}" + (f"  bucket {e.bucket}" if e.bucket else ""))
 
 
-def _nats(settings: Settings, opts: UpOptions, state: StackState) -> None:
+def _nats(settings: Settings, opts: UpOptions, state: StackState, users: NatsCredentials | None) -> None:
     """Start the local nats-server node(s), or take the external one; record it either way.
 
     Each node is recorded as soon as it runs, so a failure on the next one still stops it.
     """
     if settings.nats_url is None:
         nodes = local_nats(Path(state.state_dir), opts.nats_nodes, settings.nats.host, opts.nats_port,
-                           opts.nats_monitor_port, settings.nats.max_payload, settings.stack.bin_dir)
+                           opts.nats_monitor_port, settings.nats.max_payload, settings.stack.bin_dir,
+                           users, stack_nats_tls(settings))
         for node in nodes:
             rec, eps = start_nats(node, settings.stack.ready_timeout_s)
             state.processes.append(rec)

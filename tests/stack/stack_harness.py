@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.bus.client_auth import connect_kwargs
 from shared.stack.errors import ExitCode
+from shared.stack.nats_credentials import admin_auth
 from shared.stack.procs import is_ours
 from shared.stack.servers import free_port, pid_alive, port_in_use
 from shared.stack.state import ProcessRecord, StackState, load_state
@@ -73,6 +75,11 @@ class StackDir:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def admin_nats(state: StackState) -> dict:
+    """`nats.connect` keyword arguments for the stack's NATS as its admin user (its NATS has users by default)."""
+    return connect_kwargs(state.nats_url, admin_auth(Path(state.state_dir)))
 
 
 def pids_for(state_dir: Path) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
-from stack_harness import StackDir, assert_all_gone, assert_one_line_failure
+from stack_harness import StackDir, admin_nats, assert_all_gone, assert_one_line_failure
 
 from shared.stack.errors import ExitCode
 from shared.stack.servers import NatsNodePorts, nats_cluster
@@ -25,9 +25,9 @@ def node_ports(state: StackState) -> dict[str, list[int]]:
     return {r.name: r.ports for r in state.processes if r.name in NODES}
 
 
-async def check_cluster(url: str) -> None:
+async def check_cluster(state: StackState) -> None:
     """JOBS is R3 with a leader; a message written to an R3 stream is kept."""
-    nc = await nats.connect(servers=url.split(","))
+    nc = await nats.connect(**admin_nats(state))
     js = nc.jetstream()
     info = await js.stream_info("JOBS")
     assert info.config.num_replicas == 3 and info.cluster is not None and info.cluster.leader
@@ -37,9 +37,9 @@ async def check_cluster(url: str) -> None:
     await nc.close()
 
 
-async def kept_messages(url: str, timeout_s: float = 30.0) -> list[bytes]:
+async def kept_messages(state: StackState, timeout_s: float = 30.0) -> list[bytes]:
     """The test stream's messages, once the restarted cluster has elected the stream's leader again."""
-    nc = await nats.connect(servers=url.split(","))
+    nc = await nats.connect(**admin_nats(state))
     js = nc.jetstream()
     deadline = time.monotonic() + timeout_s
     try:
@@ -55,8 +55,8 @@ async def kept_messages(url: str, timeout_s: float = 30.0) -> list[bytes]:
         await nc.close()
 
 
-async def heartbeats(url: str) -> set[str]:
-    nc = await nats.connect(servers=url.split(","))
+async def heartbeats(state: StackState) -> set[str]:
+    nc = await nats.connect(**admin_nats(state))
     keys = set(await (await nc.jetstream().key_value("workers")).keys())
     await nc.close()
     return keys
@@ -86,8 +86,8 @@ def test_cluster_up_status_restart_down(stack: StackDir, model_stub: Path) -> No
 
     pinger = next(r for r in state.processes if r.name == "pinger-0")
     assert told_nats_url(pinger.pid) == state.nats_url  # every node, comma separated
-    assert "pinger-0" in asyncio.run(heartbeats(state.nats_url))
-    asyncio.run(check_cluster(state.nats_url))
+    assert "pinger-0" in asyncio.run(heartbeats(state))
+    asyncio.run(check_cluster(state))
 
     assert stack.cli("down").returncode == 0
     assert_all_gone(stack, state)
@@ -97,7 +97,7 @@ def test_cluster_up_status_restart_down(stack: StackDir, model_stub: Path) -> No
     assert again.returncode == 0, again.stderr
     state2 = stack.state()
     assert node_ports(state2) == ports
-    assert asyncio.run(kept_messages(state2.nats_url)) == [b"kept by the cluster"]
+    assert asyncio.run(kept_messages(state2)) == [b"kept by the cluster"]
     assert stack.cli("down").returncode == 0
     assert_all_gone(stack, state2)
     assert json.loads((stack.state_dir / "nats-1" / "ports.json").read_text())["client"] == ports["nats-1"][0]

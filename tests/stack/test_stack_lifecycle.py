@@ -17,7 +17,7 @@ from shared.protocol.streams import ALL_STREAMS
 from shared.stack.credentials import read_credentials
 from shared.stack.state import ProcessRecord, StackState, claim_state
 
-from stack_harness import StackDir, assert_all_gone, pids_for
+from stack_harness import StackDir, admin_nats, assert_all_gone, pids_for
 
 TEST_STREAM = "STACKTEST"
 
@@ -28,8 +28,8 @@ def s3_client(stack: StackDir, state: StackState) -> Minio:
     return Minio(state.s3_endpoint, access_key=creds.access_key, secret_key=creds.secret_key, secure=False)
 
 
-async def js_write_and_check_declared(url: str) -> None:
-    nc = await nats.connect(url)
+async def js_write_and_check_declared(state: StackState) -> None:
+    nc = await nats.connect(**admin_nats(state))
     js = nc.jetstream()
     for spec in ALL_STREAMS:  # declare_all ran
         await js.stream_info(spec.name)
@@ -38,8 +38,8 @@ async def js_write_and_check_declared(url: str) -> None:
     await nc.close()
 
 
-async def js_messages(url: str) -> int:
-    nc = await nats.connect(url)
+async def js_messages(state: StackState) -> int:
+    nc = await nats.connect(**admin_nats(state))
     js = nc.jetstream()
     try:
         info = await js.stream_info(TEST_STREAM)
@@ -76,7 +76,7 @@ def test_up_status_down_restart_fresh(stack: StackDir, model_stub: Path) -> None
     assert stat.S_IMODE(creds_file.stat().st_mode) == 0o600
     assert told["s3_access_key"] == read_credentials(stack.state_dir).access_key
 
-    asyncio.run(js_write_and_check_declared(state.nats_url))
+    asyncio.run(js_write_and_check_declared(state))
     s3_client(stack, state).put_object(state.s3_bucket, "probe/kept", io.BytesIO(b"object"), 6)
 
     again = stack.up()
@@ -92,7 +92,7 @@ def test_up_status_down_restart_fresh(stack: StackDir, model_stub: Path) -> None
     assert stack.up("--replicas", "echo=0").returncode == 0
     state2 = stack.state()
     assert creds_file.read_text() == creds_before
-    assert asyncio.run(js_messages(state2.nats_url)) == 1
+    assert asyncio.run(js_messages(state2)) == 1
     assert s3_client(stack, state2).get_object(state2.s3_bucket, "probe/kept").read() == b"object"
     assert stack.cli("down").returncode == 0
     assert_all_gone(stack, state2)
@@ -100,7 +100,7 @@ def test_up_status_down_restart_fresh(stack: StackDir, model_stub: Path) -> None
     # --fresh wipes JetStream and S3 data (the bucket is made again, empty)
     assert stack.up("--replicas", "echo=0", "--fresh").returncode == 0
     state3 = stack.state()
-    assert asyncio.run(js_messages(state3.nats_url)) == 0
+    assert asyncio.run(js_messages(state3)) == 0
     assert list(s3_client(stack, state3).list_objects(state3.s3_bucket, recursive=True)) == []
     assert stack.cli("down").returncode == 0
     assert_all_gone(stack, state3)

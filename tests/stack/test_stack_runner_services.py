@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import nats
-from stack_harness import StackDir, pids_for
+from stack_harness import StackDir, admin_nats, pids_for
 
 from shared.protocol.subjects import WORKERS_BUCKET
+from shared.stack.state import StackState
 
 RUNNER_PACKAGE = "kvmesh_stacktest_runner"
 
 
-async def heartbeat_keys(url: str) -> set[str]:
-    nc = await nats.connect(url)
+async def heartbeat_keys(state: StackState) -> set[str]:
+    nc = await nats.connect(**admin_nats(state))
     kv = await nc.jetstream().key_value(WORKERS_BUCKET)
     try:
         keys = set(await kv.keys())
@@ -31,7 +32,7 @@ def test_runner_services_get_ready_beat_and_drain(stack: StackDir, model_stub) -
     assert [r.name for r in state.processes] == ["nats", "s3", "pinger-0", "pinger-1"]
     code, st = stack.status_json()
     assert code == 0 and st["ready"], st
-    assert {"pinger-0", "pinger-1"} <= asyncio.run(heartbeat_keys(state.nats_url))
+    assert {"pinger-0", "pinger-1"} <= asyncio.run(heartbeat_keys(state))
 
     assert stack.cli("down").returncode == 0
     assert pids_for(stack.state_dir) == []
