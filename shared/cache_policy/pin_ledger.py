@@ -9,6 +9,9 @@ deadline later and costs nothing. Invariants, whatever the order of grants
 and expiries: the pool's pinned bytes never exceed `pool_cap`, a tenant's
 never exceed `tenant_cap`, and they sum to the pool's.
 
+`tenant_cap` binds every tenant but "", the system's own pins (a policy's
+session retains), which only the pool's cap binds.
+
 `grant` takes a chain's leading run (a pinned prefix is a hit; a tail without
 its prefix is not). A tenant past its own cap gets nothing (`Cap.TENANT`: the
 caller refuses the request); a pool full for everyone gets the leading run
@@ -93,12 +96,15 @@ class PinLedger:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         self.expire(now)
-        if until <= now or not hashes:
-            return PinGrant(0)
+        if until <= now:  # pins nothing new and never shortens one: the leading run already pinned stands
+            held = 0
+            while held < len(hashes) and hashes[held] in self._pins:
+                held += 1
+            return PinGrant(held)
         # Bytes a full grant would add: distinct hashes not yet pinned.
         fresh = [h for h in dict.fromkeys(hashes) if h not in self._pins]
         wanted = size * len(fresh)
-        if self.tenant_cap is not None and self.tenant_used(tenant) + wanted > self.tenant_cap:
+        if tenant and self.tenant_cap is not None and self.tenant_used(tenant) + wanted > self.tenant_cap:
             return PinGrant(0, 0, Cap.TENANT, wanted)
         room = None if self.pool_cap is None else self.pool_cap - self._bytes
         if whole and room is not None and wanted > room:

@@ -5,55 +5,67 @@ and a wall-clock deadline; pinning a pinned block only moves its deadline
 later (a hit with the same pin refreshes it). `expire(now)` drops the
 references of pins whose time has passed; the engine calls it every step.
 
-Pins have a budget, `limit` blocks (a fraction of the pool, set by the
-engine): a pin that would pass it keeps only the leading run that fits, so
-no tenant, breakpoint or agent session can hold so much of the pool that
-requests starve. Extending a block already pinned costs nothing.
+Pins have budgets, counted in blocks by a `PinLedger`: `limit` for the pool
+(engine.pin_fraction) and `tenant_limit` for each tenant's pins
+(engine.pin_tenant_fraction; cache_control breakpoints and named caches).
+The policy's own pins (session retains and prefetches: tenant "") are bound
+by the pool's limit only. A pin that would pass a budget keeps only the
+leading run that fits (nothing, past the tenant's), so no tenant,
+breakpoint or agent session can hold so much of the pool that requests
+starve. Extending a block already pinned costs nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+from shared.cache_policy.pin_ledger import PinGrant, PinLedger
 from shared.engine.block_hash import BlockHash
 from shared.engine.block_pool import Block
 from shared.engine.prefix_cache import PrefixCache
 
 
 class PinSet:
-    def __init__(self, cache: PrefixCache, limit: int) -> None:
+    def __init__(self, cache: PrefixCache, limit: int, tenant_limit: int | None = None) -> None:
         if limit < 0:
             raise ValueError(f"pin limit must be >= 0, got {limit}")
         self._cache = cache
         self.limit = limit
-        self._pins: dict[BlockHash, tuple[Block, float]] = {}
+        self.ledger = PinLedger(limit, tenant_limit)
+        self._blocks: dict[BlockHash, Block] = {}
 
     def __len__(self) -> int:
-        return len(self._pins)
+        return len(self._blocks)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._pins
+        return block_hash in self._blocks
 
     def pin(self, hashes: Sequence[BlockHash], until: float) -> int:
-        """Pin the leading cached run of `hashes` until `until` (unix seconds), within the budget;
+        """Pin the leading cached run of `hashes` until `until` (unix seconds), within the pool's budget;
         returns how many are pinned."""
-        pinned = 0
+        return self.pin_for("", hashes, until).granted
+
+    def pin_for(self, tenant: str, hashes: Sequence[BlockHash], until: float, now: float | None = None) -> PinGrant:
+        """Pin the leading cached run of `hashes` for `tenant` until `until`, within its budget and the pool's."""
+        now = time.time() if now is None else now
+        self.expire(now)  # the ledger then forgets nothing behind this set's back
+        run: list[BlockHash] = []
         for h in hashes:
-            held = self._pins.get(h)
-            if held is not None:
-                self._pins[h] = (held[0], max(held[1], until))
-            else:
+            if h not in self._blocks and self._cache.get(h) is None:
+                break
+            run.append(h)
+        grant = self.ledger.grant(tenant, run, 1, until, now)
+        for h in run[:grant.granted]:
+            if h not in self._blocks:
                 block = self._cache.get(h)
-                if block is None or len(self._pins) >= self.limit:
-                    break
                 self._cache.acquire(block)
-                self._pins[h] = (block, until)
-            pinned += 1
-        return pinned
+                self._blocks[h] = block
+        return grant
 
     def expire(self, now: float) -> int:
         """Release pins whose deadline has passed; returns how many."""
-        done = [h for h, (_, until) in self._pins.items() if until <= now]
+        done = self.ledger.expire(now)
         if done:
-            self._cache.release([self._pins.pop(h)[0] for h in done])
+            self._cache.release([self._blocks.pop(h) for h in done])
         return len(done)

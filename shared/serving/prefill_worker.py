@@ -33,10 +33,11 @@ from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 from shared.serving.engine_loop import RequestSpec
 from shared.serving.kv_store import store_chain
 from shared.serving.ledger import JobLedger, run_once
-from shared.serving.pinning import apply_pins, cache_created
+from shared.serving.pinning import L2Pins, apply_pins, cache_created
 from shared.serving.prefix_reach import reach_prefix
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import publish_event
+from shared.tiers.namespace import namespace_for
 
 log = get_logger(__name__)
 
@@ -49,6 +50,7 @@ class PrefillWorker:
     settings: WorkerSettings = field(default_factory=WorkerSettings)
     ledger: JobLedger = field(default_factory=JobLedger)
     _engine_ids: dict[str, str] = field(default_factory=dict)  # request id -> engine id of the run here
+    l2_pins: L2Pins | None = None  # this worker's L2 pin budget (None: L2 bounds its pins by itself)
 
     def __post_init__(self) -> None:
         self.ledger.remember = self.settings.remember_finished
@@ -136,7 +138,7 @@ class PrefillWorker:
         tiers = self.rt.tiers
         handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt, session_id=job.session_id)
         if job.pins:
-            await apply_pins(engine, tiers, job.pins, reach.hashes)
+            await apply_pins(engine, tiers, job.pins, reach.hashes, namespace_for(job.tenant_salt), self.l2_pins)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
                  cached_tokens=out.cached_tokens, sources={t.value: n for t, n in reach.sources.items() if n},
                  handles=len(handles), ms={"reach": _ms(t0, t1), "engine": _ms(t1, t2), "token0": _ms(t2, t3),

@@ -20,6 +20,7 @@ from shared.service.runner import ServiceContext
 from shared.serving.audit import CacheAudit
 from shared.serving.decode_worker import DecodeWorker
 from shared.serving.prefill_worker import PrefillWorker
+from shared.serving.pinning import L2Pins
 from shared.serving.runtime import WorkerRuntime, job_consumer
 
 log = get_logger(__name__)
@@ -50,7 +51,9 @@ def obey_eviction(ctx: ServiceContext, rt: WorkerRuntime) -> None:
 async def setup_prefill(ctx: ServiceContext) -> None:
     rt = await WorkerRuntime.start(ctx)
     obey_eviction(ctx, rt)
-    worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers)
+    block_bytes = rt.loaded.config.kv_bytes_per_token() * ctx.settings.engine.block_size
+    l2_pins = L2Pins.for_tier(ctx.settings.pins, rt.tiers.l2.capacity_bytes, block_bytes)
+    worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers, l2_pins=l2_pins)
     handler = typed(PrefillJob, worker.handle)
     # prefill stops whole requests only: an attempt-scoped abort is for the decode attempt a migration replaced
     await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id) if a.attempt is None else None)
