@@ -25,6 +25,10 @@ BAD_VALUES = {
     "stream replicas above 5": {"nats": {"streamReplicas": 7}},
     "endpoint with scheme": {"minio": {"deploy": False, "endpoint": "http://s3:9000"}},
     "hpa target above 100": {"decode": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": 150}}},
+    "nats auth not a bool": {"nats": {"auth": {"enabled": "on"}}},
+    "unknown salt secret key": {"ingressSecret": {"value": "00ff"}},  # the salt is never a chart value
+    "empty services user": {"minio": {"serviceUser": {"accessKey": ""}}},
+    "network peers not a list": {"networkPolicy": {"metricsFrom": {"namespaceSelector": {}}}},
 }
 
 
@@ -53,6 +57,8 @@ def test_bad_values_fail_schema_and_render(chart, schema, case: str) -> None:
     ({"nats": {"deploy": False}}, "nats.url is required"),
     ({"minio": {"deploy": False}}, "minio.endpoint"),
     ({"nats": {"replicas": 1}}, "streamReplicas cannot exceed"),
+    ({"nats": {"tls": {"enabled": True}}}, "nats.tls.secretName"),
+    ({"nats": {"deploy": False, "url": "nats://n:4222"}}, "nats.auth.existingSecret"),
 ])
 def test_required_values_fail_with_a_clear_message(chart, values: dict, message: str) -> None:
     base = {} if "apiKeys" in values or "s3" in values else merged()
