@@ -153,11 +153,13 @@ def make_stack(root: Path, nats: NatsServer, s3: S3Server | None, model_dir: Pat
 
 
 @contextmanager
-def one_of_each(root: Path, s3: S3Server, model_dir: Path, api_keys: dict[str, str]) -> Iterator[ServingStack]:
-    """A NATS server of its own plus one prefill, one decode and a ready ingress; all stopped on exit."""
+def one_of_each(root: Path, s3: S3Server, model_dir: Path, api_keys: dict[str, str],
+                **extra_env: str) -> Iterator[ServingStack]:
+    """A NATS server of its own plus one prefill, one decode and a ready ingress; all stopped on exit.
+    `extra_env` (KVMESH_...) reaches every process."""
     nats = NatsServer(data_dir=root / "nats")
     nats.start()
-    stack = make_stack(root, nats, s3, model_dir, api_keys)
+    stack = make_stack(root, nats, s3, model_dir, api_keys, **extra_env)
     try:
         stack.start("prefill", "prefill-0")
         stack.start("decode", "decode-0")
