@@ -52,6 +52,33 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def auth_nats_server(tmp_path_factory: pytest.TempPathFactory):
+    """A NATS server with users, as `kvmesh up` starts it: (server, credentials).
+
+    Per-id users ingress-0, prefill-0, prefill-1, decode-0, cache_index-0, eviction-0 and admin
+    (shared/stack/nats_credentials.py), plus per-role users `prefill` and `decode` (any id of
+    their role: the fallback where ids are unknown). Credentials hold all of them.
+    """
+    from dataclasses import replace
+
+    from shared.bus.auth_config import NatsUser
+    from shared.bus.permissions import permissions
+    from shared.stack.nats_credentials import load_or_create_nats_credentials
+
+    root = tmp_path_factory.mktemp("nats-auth")
+    wanted = {"ingress-0": "ingress", "prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode",
+              "cache_index-0": "cache-index", "eviction-0": "eviction", "prefill": "prefill", "decode": "decode"}
+    creds = load_or_create_nats_credentials(root, wanted)
+    auth = creds.server_auth()
+    per_role = {"prefill", "decode"}  # these two get the per-role permissions (worker_id None)
+    users = tuple(NatsUser(u.name, u.password, permissions(u.name)) if u.name in per_role else u for u in auth.users)
+    server = NatsServer(data_dir=root / "nats", auth=replace(auth, users=users))
+    server.start()
+    yield server, creds
+    server.stop()
+
+
 @pytest.fixture
 def fresh_nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A NATS server of the test's own, free to kill or restart."""
