@@ -14,8 +14,9 @@ session retains), which only the pool's cap binds.
 
 `grant` takes a chain's leading run (a pinned prefix is a hit; a tail without
 its prefix is not). A tenant past its own cap gets nothing (`Cap.TENANT`: the
-caller refuses the request); a pool full for everyone gets the leading run
-that fits (`Cap.POOL`), or nothing when the caller asks for all or nothing.
+caller refuses the request), or with `trim` the leading run that fits (a
+worker degrading); a pool full for everyone gets the leading run that fits
+(`Cap.POOL`), or nothing when the caller asks for all or nothing (`whole`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class PinLedger:
         return dict(self._tenant_bytes)
 
     def grant(self, tenant: str, hashes: Sequence[bytes], size: int, until: float, now: float,
-              whole: bool = False) -> PinGrant:
+              whole: bool = False, trim: bool = False) -> PinGrant:
         """Pin the leading run of `hashes` (`size` bytes each) for `tenant` until `until`, within both caps.
 
         Blocks already pinned are extended (by any tenant: the block is the same) and cost nothing.
@@ -104,8 +105,11 @@ class PinLedger:
         # Bytes a full grant would add: distinct hashes not yet pinned.
         fresh = [h for h in dict.fromkeys(hashes) if h not in self._pins]
         wanted = size * len(fresh)
-        if tenant and self.tenant_cap is not None and self.tenant_used(tenant) + wanted > self.tenant_cap:
-            return PinGrant(0, 0, Cap.TENANT, wanted)
+        tenant_room = None
+        if tenant and self.tenant_cap is not None:
+            tenant_room = self.tenant_cap - self.tenant_used(tenant)
+            if wanted > tenant_room and (whole or not trim):
+                return PinGrant(0, 0, Cap.TENANT, wanted)
         room = None if self.pool_cap is None else self.pool_cap - self._bytes
         if whole and room is not None and wanted > room:
             return PinGrant(0, 0, Cap.POOL, wanted)
@@ -114,6 +118,9 @@ class PinLedger:
         for h in hashes:
             pin = self._pins.get(h)
             if pin is None:
+                if tenant_room is not None and new + size > tenant_room:
+                    refused = Cap.TENANT
+                    break
                 if room is not None and new + size > room:
                     refused = Cap.POOL
                     break

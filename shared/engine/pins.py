@@ -10,7 +10,7 @@ Pins have budgets, counted in blocks by a `PinLedger`: `limit` for the pool
 (engine.pin_tenant_fraction; cache_control breakpoints and named caches).
 The policy's own pins (session retains and prefetches: tenant "") are bound
 by the pool's limit only. A pin that would pass a budget keeps only the
-leading run that fits (nothing, past the tenant's), so no tenant,
+leading run that fits, so no tenant,
 breakpoint or agent session can hold so much of the pool that requests
 starve. Extending a block already pinned costs nothing.
 """
@@ -55,7 +55,7 @@ class PinSet:
             if h not in self._blocks and self._cache.get(h) is None:
                 break
             run.append(h)
-        grant = self.ledger.grant(tenant, run, 1, until, now)
+        grant = self.ledger.grant(tenant, run, 1, until, now, trim=True)
         for h in run[:grant.granted]:
             if h not in self._blocks:
                 block = self._cache.get(h)

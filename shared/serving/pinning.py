@@ -78,7 +78,7 @@ async def apply_pins(engine: EngineLoop, tiers: WorkerTiers, pins: Sequence[Cach
             cut.add(f"l1 {g1.refused.value}")
         keep = prefix
         if l2 is not None:
-            g2 = l2.ledger.grant(tenant, prefix, l2.block_bytes, mono + pin.ttl_s, mono)
+            g2 = l2.ledger.grant(tenant, prefix, l2.block_bytes, mono + pin.ttl_s, mono, trim=True)
             keep = prefix[:g2.granted]
             if g2.refused is not None:
                 cut.add(f"l2 {g2.refused.value}")

@@ -30,7 +30,8 @@ def test_tenant_cap_refuses_past_it_and_pool_cap_keeps_the_leading_run() -> None
     assert pins.pin_for("t-a", a, until=100, now=0).granted == 4
     over = pins.pin_for("t-a", b[:1], until=100, now=0)
     assert (over.granted, over.refused) == (0, Cap.TENANT)
-    assert pins.pin_for("t-b", b[:4], until=100, now=0).granted == 4  # the pool is full now: 8 of 8
+    assert pins.pin_for("t-b", b, until=100, now=0).granted == 4  # trimmed to t-b's 4: the leading run
+    assert pins.pin_for("t-b", b[:4], until=100, now=0).granted == 4  # a refresh; the pool is full: 8 of 8
     full = pins.pin_for("t-c", c, until=100, now=0)
     assert (full.granted, full.refused) == (0, Cap.POOL)
     assert cache.num_evictable == 13 - 8  # 13 blocks cached, 8 of them pinned
@@ -62,3 +63,16 @@ def test_references_follow_the_ledger(ops) -> None:
         assert len(pins) == len(pins.ledger) <= 10
         assert all(v <= 4 for t, v in pins.ledger.tenants().items() if t)
         assert cache.num_evictable == 24 - len(pins)
+
+
+def test_l2_budget_from_settings() -> None:
+    """A worker's L2 pins: pins.l2_fraction of L2 for the pool, pins.l2_tenant_fraction per tenant, in bytes."""
+    from shared.config import PinQuotaSettings
+    from shared.serving.pinning import L2Pins
+
+    l2 = L2Pins.for_tier(PinQuotaSettings(l2_fraction=0.5, l2_tenant_fraction=0.2), capacity_bytes=10_000,
+                         block_bytes=1_000)
+    assert (l2.ledger.pool_cap, l2.ledger.tenant_cap) == (5_000, 2_000)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    g = l2.ledger.grant("t-a", hashes, l2.block_bytes, until=10, now=0, trim=True)
+    assert (g.granted, g.refused) == (2, Cap.TENANT)  # 4 000 bytes asked, 2 000 allowed: the leading two

@@ -17,7 +17,7 @@ def _hashes(tenant: str, start: int, n: int) -> list[bytes]:
 
 op = st.one_of(
     st.tuples(st.just("grant"), st.sampled_from(TENANTS), st.integers(0, 12), st.integers(1, 8),
-              st.floats(1, 50), st.booleans()),
+              st.floats(1, 50), st.booleans(), st.booleans()),
     st.tuples(st.just("release"), st.sampled_from(TENANTS), st.integers(0, 12), st.integers(1, 8)),
     st.tuples(st.just("tick"), st.floats(0, 20)),
 )
@@ -43,11 +43,11 @@ def test_caps_hold_under_any_history(pool, tenant, ops) -> None:
     now = 0.0
     for o in ops:
         if o[0] == "grant":
-            _, t, start, n, ttl, whole = o
+            _, t, start, n, ttl, whole, trim = o
             before = ledger.used(), ledger.tenant_used(t)
-            g = ledger.grant(t, _hashes(t, start, n), SIZE, now + ttl, now, whole=whole)
+            g = ledger.grant(t, _hashes(t, start, n), SIZE, now + ttl, now, whole=whole, trim=trim)
             assert g.granted <= n
-            if g.refused is Cap.TENANT or (whole and g.refused is Cap.POOL):
+            if (g.refused is Cap.TENANT and not trim) or (whole and g.refused is not None):
                 assert g.granted == 0 and (ledger.used(), ledger.tenant_used(t)) == before
             assert ledger.used() == before[0] + g.new_bytes
         elif o[0] == "release":
@@ -69,6 +69,12 @@ def test_extension_is_free_and_expiry_frees_the_tenant() -> None:
     assert ledger.expire(10) == []  # extended to 20: the first deadline no longer counts
     assert sorted(ledger.expire(20)) == sorted(a) and ledger.tenant_used("a") == 0
     assert ledger.grant("a", _hashes("a", 3, 3), SIZE, until=30, now=21).granted == 3
+
+
+def test_trim_keeps_the_leading_run_under_the_tenant_cap() -> None:
+    ledger = PinLedger(pool_cap=None, tenant_cap=25)
+    g = ledger.grant("a", _hashes("a", 0, 4), SIZE, until=10, now=0, trim=True)
+    assert (g.granted, g.refused, ledger.tenant_used("a")) == (2, Cap.TENANT, 2 * SIZE)
 
 
 def test_full_pool_grants_the_leading_run_or_nothing_when_whole() -> None:
