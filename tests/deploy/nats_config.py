@@ -73,3 +73,37 @@ def chart_nats_env(docs: list[dict[str, Any]]) -> dict[str, str]:
     """The env of the chart's NATS container (POD_NAME, one password variable per role)."""
     sts = by_kind(docs, "StatefulSet")[name("nats")]
     return container_env(docs, sts["spec"]["template"]["spec"]["containers"][0], f"{name('nats')}-0")
+
+
+def write_test_ca(out: Path, host: str = "127.0.0.1") -> None:
+    """A throwaway CA and a server certificate for `host`, as a Secret would hold them: ca.crt, tls.crt, tls.key."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    span = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool, san: x509.GeneralName | None = None):
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(span[0]).not_valid_after(span[1])
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san is not None:
+            b = b.add_extension(x509.SubjectAlternativeName([san]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("kvmesh test CA", ca_key, "kvmesh test CA", ca_key, True)
+    server = cert(host, server_key, "kvmesh test CA", ca_key, False, x509.IPAddress(ipaddress.ip_address(host)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (out / "tls.crt").write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    (out / "tls.key").write_bytes(server_key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))

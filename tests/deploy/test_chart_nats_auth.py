@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 from shared.bus.permissions import ROLES, Permissions, permissions
 
 from .chart import COMPONENTS, by_kind, merged, name, render, validate_manifests
-from .nats_config import chart_nats_env, container_env, local_copy, secret_data, serve
+from .nats_config import chart_nats_env, container_env, local_copy, secret_data, serve, write_test_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = re.compile(r'^\s*\{user: ("[^"]+"), password: \$(\w+), permissions: (\{.*\})\}$', re.MULTILINE)
@@ -148,3 +149,28 @@ async def test_real_nats_server_enforces_the_rendered_users(chart, tmp_path: Pat
         finally:
             await decode.close()
             await ingress.close()
+
+
+async def test_real_nats_server_serves_tls_from_the_rendered_config(chart, tmp_path: Path) -> None:
+    """The chart's tls block, with a Secret's files where the pod mounts them, in a real nats-server."""
+    from shared.bus.client_auth import ClientAuth, connect_kwargs
+
+    docs = render(chart, merged(TLS, {"nats": {"replicas": 1, "streamReplicas": 1}}))
+    certs = tmp_path / "nats-tls"
+    write_test_ca(certs)
+    conf = _conf(docs).replace("/etc/nats-tls/", f"{certs}/")  # the Secret's mount point, here
+    passwords = secret_data(docs, name("nats-auth"))
+    main = by_kind(docs, "Deployment")[name("prefill")]["spec"]["template"]["spec"]["containers"][0]
+    env = container_env(docs, main, "pod")
+    auth = ClientAuth(user=env["KVMESH_NATS_USER"], password=env["KVMESH_NATS_PASSWORD"],
+                      tls_ca=certs / Path(env["KVMESH_NATS_TLS_CA"]).name)
+    with serve(local_copy(conf, tmp_path / "nats" / "nats.conf"), chart_nats_env(docs)) as (url, _):
+        nc = await nats.connect(**connect_kwargs(url, auth), allow_reconnect=False, connect_timeout=5)
+        try:
+            assert nc.connected_url.scheme == "tls" and nc.is_connected
+        finally:
+            await nc.close()
+        # without the CA: the server demands TLS (nats-py upgrades) and its certificate is not trusted
+        plain = ClientAuth(user="prefill", password=passwords["prefill"])
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await nats.connect(**connect_kwargs(url, plain), allow_reconnect=False, connect_timeout=5)
