@@ -15,6 +15,7 @@ Layout (`<x>` is one token: no dots, spaces or wildcards):
     kvmesh.index.snapshot               ops -> cache-index: write a snapshot now (request/reply)
     kvmesh.eviction.pin                 ingress -> eviction: pin a named cache / breakpoint (request/reply)
     kvmesh.dlq.<stream>                 dead letters of a stream (stream DEAD_LETTER)
+    kvmesh.traffic.<ingress>            ingress -> readers: one TrafficRecord per finished request (stream TRAFFIC)
     $KV.workers.<worker>                heartbeats (KV bucket `workers`)
     $KV.responses.<tenant>.<response>   stored responses of /v1/responses (KV bucket `responses`)
 """
@@ -102,6 +103,14 @@ def commands(worker_id: str) -> str:
 
 # Session events: the ingress says how each agent turn ended (shared/sessions/events.py); eviction listens.
 SESSION_EVENTS = f"{ROOT}.sessions.events"
+
+
+# Served traffic: one TrafficRecord per finished request (shared/protocol/traffic.py), per ingress replica.
+TRAFFIC_ALL = f"{ROOT}.traffic.>"
+
+
+def traffic(ingress_id: str) -> str:
+    return f"{ROOT}.traffic.{token(ingress_id)}"
 
 
 # Load reports: fire-and-forget, core NATS (a lost report is replaced by the next).

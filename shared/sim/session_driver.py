@@ -18,7 +18,7 @@ from shared.cache_policy.session import SessionAware
 from shared.sessions.events import TurnOutcome
 from shared.sessions.inference import SessionInference
 from shared.sim.tiers import TieredCache
-from shared.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from shared.sim.trace import TraceRequest
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class SessionDriver:
         self.budget = PinBudget.for_pool(self.cache.l1.capacity, fraction)
 
     def session_of(self, request: TraceRequest) -> str:
-        full = request.blocks[: request.input_length // TRACE_BLOCK_TOKENS]
+        full = request.blocks[: request.input_length // request.block_size]
         if request.session_id is not None:
             if full:
                 self.inference.record(full[-1], request.session_id)

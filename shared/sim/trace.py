@@ -6,6 +6,9 @@ One JSON object per line: ``timestamp`` (ms), ``input_length``,
 two optional fields: ``session_id`` (string) and ``tool_calls``, the tool
 names this turn's answer called (``[]``: a plain answer). That is what the
 server knows when a turn ends; a trace never carries the gap to the next one.
+Recorded traffic (`kvmesh trace record`) adds ``block_tokens``, the tokens
+per hash id of the fleet that served it (absent: 512, as in Mooncake's), and
+fields the sim ignores (tenant, usage, timing).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ class TraceRequest:
     blocks: tuple[bytes, ...]
     session_id: str | None = None
     tool_calls: tuple[str, ...] | None = None  # None: the trace does not say how the turn ended
+    block_size: int = TRACE_BLOCK_TOKENS  # tokens per hash id (the line's ``block_tokens``)
 
     def block_tokens(self, index: int) -> int:
         """Tokens in block ``index``: full blocks, except a partial last one."""
         if index < len(self.blocks) - 1:
-            return TRACE_BLOCK_TOKENS
-        rest = self.input_length - TRACE_BLOCK_TOKENS * (len(self.blocks) - 1)
-        return rest if 0 < rest <= TRACE_BLOCK_TOKENS else TRACE_BLOCK_TOKENS
+            return self.block_size
+        rest = self.input_length - self.block_size * (len(self.blocks) - 1)
+        return rest if 0 < rest <= self.block_size else self.block_size
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,6 +68,7 @@ def parse_line(line: str) -> TraceRequest:
         blocks=tuple(block_key(int(h)) for h in obj["hash_ids"]),
         session_id=None if obj.get("session_id") is None else str(obj["session_id"]),
         tool_calls=None if obj.get("tool_calls") is None else tuple(str(t) for t in obj["tool_calls"]),
+        block_size=int(obj.get("block_tokens") or TRACE_BLOCK_TOKENS),
     )
 
 
