@@ -38,7 +38,8 @@ KEY = "sk-bench-overhead"
 
 @contextmanager
 def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, str, Path]]:
-    """(ingress base URL, NATS URL, state dir) of a stack of our own; always `kvmesh down`."""
+    """(ingress base URL, NATS URL with the admin's credentials, state dir) of a stack of our own; always `kvmesh down`."""
+    from shared.stack.nats_credentials import admin_auth
     from shared.stack.servers import free_port
     from shared.stack.state import load_state
 
@@ -57,7 +58,8 @@ def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, 
                 raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}")
             state = load_state(Path(tmp))
             assert state is not None
-            yield f"http://127.0.0.1:{port}/v1", state.nats_url, Path(tmp)
+            admin = admin_auth(Path(tmp))  # the stack's NATS has users: the tap reads as its admin
+            yield f"http://127.0.0.1:{port}/v1", admin.server_url(state.nats_url) if admin else state.nats_url, Path(tmp)
         finally:
             subprocess.run([kvmesh, "down", "--state-dir", tmp], env=env, capture_output=True, timeout=120)
 
