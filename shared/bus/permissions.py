@@ -5,7 +5,8 @@ enforces that user's `Permissions` (nats-server `permissions {publish,
 subscribe, allow_responses}`). The table follows shared/protocol/subjects.py
 and streams.py; the properties the tests hold it to:
 
-- only the ingress publishes jobs (`kvmesh.jobs.>`) and aborts;
+- only the ingress publishes jobs (`kvmesh.jobs.>`) and aborts, and served-traffic records
+  (`kvmesh.traffic.<own id>`), which the eviction service (live Belady) and admin read;
 - a worker publishes KV events, load reports and its heartbeat
   (`$KV.workers.<id>`) only under its own id, and takes only its own
   addressed jobs, handoffs and commands;
@@ -135,7 +136,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     if role in WORKER_ROLES:
         _worker(g, role, own)
     elif role == INGRESS:
-        g.add(pub=(subjects.JOBS_ALL, subjects.ABORT_ALL, subjects.SESSION_EVENTS,
+        g.add(pub=(subjects.JOBS_ALL, subjects.ABORT_ALL, subjects.SESSION_EVENTS, f"{subjects.ROOT}.traffic.{own}",
                    subjects.INDEX_LOOKUP, subjects.EVICTION_PIN,
                    f"$KV.{subjects.NAMED_CACHES_BUCKET}.>", f"$KV.{subjects.RESPONSES_BUCKET}.>",
                    *_read_bucket(streams.NAMED_CACHES), *_read_bucket(streams.RESPONSES)),
@@ -150,6 +151,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     elif role == EVICTION:
         # it also publishes KV events under its own id (L3 deletions) and answers the index's dumps of them
         g.add(pub=(subjects.COMMANDS_ALL, *_follow(streams.KV_EVENTS.name), *_follow(streams.SESSIONS.name),
+                   *_follow(streams.TRAFFIC.name),  # live Belady reads the served traffic
                    f"{subjects.ROOT}.kv.events.{own}", f"_INBOX.{CACHE_INDEX}.>"),
               sub=(subjects.EVICTION_PIN, f"{subjects.ROOT}.kv.dump.{own}"))
     responses = REPLIES_MAX if role in (CACHE_INDEX, EVICTION) else 0

@@ -68,6 +68,7 @@ class Admitted:
     request_id: str
     session_id: str | None  # the `x-session-id` header's session, scoped to the tenant (routes without turns)
     headers: Mapping[str, str] = field(default_factory=dict)  # case-insensitive on a real request
+    path: str = ""  # the route's path: names the API in the traffic record
 
 
 def state_of(request: Request) -> IngressState:
@@ -110,7 +111,8 @@ async def admit(request: Request) -> Admitted:
         session_id = scoped_session_id(principal.tenant, given) if given else None
     except SessionInputError as exc:
         raise invalid(exc.message, param=exc.param) from None
-    return Admitted(state, principal, body, request.state.request_id, session_id, request.headers)
+    return Admitted(state, principal, body, request.state.request_id, session_id, request.headers,
+                    request.url.path)
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -155,7 +155,7 @@ async def messages(request: Request) -> Any:
         reason = stop_reason(done.finish_reason, done.text, full, body.stops())
         reason = (stop_reason_with_calls(reason[0], bool(called)), reason[1])
         adm.state.sessions.finish(turn, done.token_ids, answer, reason[0], usage.prefill_worker or usage.finished_by,
-                                  called)
+                                  called, usage=usage)
         cu = _cache_usage(usage, placed).to_dict(len(done.token_ids))
         return JSONResponse(_message(req, body.model, blocks, reason, cu),
                             headers={**route_header(usage), **turn.header()})
@@ -198,7 +198,7 @@ async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, 
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, joined, ids)
         adm.state.sessions.finish(turn, ids, answer, reason[0], usage.prefill_worker or usage.finished_by,
-                                  blocks.called)
+                                  blocks.called, usage=usage)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.ANTHROPIC), "error")

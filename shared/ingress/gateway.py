@@ -56,6 +56,8 @@ class Usage:
     attempts: int = 1
     first_token_at: float = 0.0  # time.monotonic() when the first token arrived
     finished_by: str = ""  # the worker that sent the final event: its L1 holds the turn's chain
+    tier_tokens: dict[str, int] | None = None  # where cached_tokens came from, if the prefill worker said
+    pins: list[CachePin] = field(default_factory=list)  # what the request asked to keep (writes by TTL)
 
     def take(self, event: TokenEvent) -> None:
         if not self.first_token_at:
@@ -65,6 +67,7 @@ class Usage:
         if event.prompt_tokens and not self.prompt_tokens:
             self.prompt_tokens = event.prompt_tokens
             self.cached_tokens = event.cached_tokens
+            self.tier_tokens = event.tier_tokens
         self.cache_created_tokens = max(self.cache_created_tokens, event.cache_created_tokens)
 
 
@@ -117,7 +120,9 @@ class Gateway:
 
         if self.in_flight >= self.settings.max_in_flight:
             raise GatewayError(ErrorKind.OVERLOADED, f"too many requests in flight ({self.in_flight})")
-        run = RequestRun(self, req, usage if usage is not None else Usage())
+        usage = usage if usage is not None else Usage()
+        usage.pins = req.pins
+        run = RequestRun(self, req, usage)
         self.in_flight += 1
         try:
             async for event in run.events():

@@ -166,7 +166,7 @@ async def _respond(adm: Admitted, req: GenerationRequest, body: _Common, turn: T
         else:
             choice = _choice(False, done.text, done.finish_reason)
         adm.state.sessions.finish(turn, done.token_ids, answer, "tool_calls" if called else done.finish_reason,
-                                  usage.prefill_worker or usage.finished_by, called)
+                                  usage.prefill_worker or usage.finished_by, called, usage=usage)
         return JSONResponse({**_envelope(req, body.model, chat, False), "choices": [choice],
                              "usage": _usage(usage, len(done.token_ids))},
                             headers={**route_header(done.usage), **turn.header()})
@@ -211,7 +211,8 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Tu
         yield sse("[DONE]")
         _account(adm, usage, len(ids))
         answer = adm.state.prompts.remember_answer(req.tenant, "".join(text), ids) if chat else None
-        adm.state.sessions.finish(turn, ids, answer, finish, usage.prefill_worker or usage.finished_by, deltas.called)
+        adm.state.sessions.finish(turn, ids, answer, finish, usage.prefill_worker or usage.finished_by, deltas.called,
+                                  usage=usage)
     except GatewayError as exc:
         log.warning("stream ended with an error", error=exc.message)
         yield sse(ApiError(exc.kind, exc.message).body(Dialect.OPENAI))

@@ -178,7 +178,8 @@ def _finish_turn(adm: Admitted, p: _Prepared, usage: Usage, ids: list[int], out:
     if not out.calls:
         answer = adm.state.prompts.remember_answer(p.req.tenant, out.text, ids)
     finish = "tool_calls" if out.calls else None
-    adm.state.sessions.finish(p.turn, ids, answer, finish, usage.prefill_worker or usage.finished_by)
+    adm.state.sessions.finish(p.turn, ids, answer, finish, usage.prefill_worker or usage.finished_by,
+                              [c.name for c in out.calls], usage=usage)
 
 
 async def _save(adm: Admitted, p: _Prepared) -> None:

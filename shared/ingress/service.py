@@ -32,6 +32,7 @@ from shared.ingress.router import WorkerTable
 from shared.ingress.salt_secret import load_secret
 from shared.ingress.session_table import SessionTable
 from shared.ingress.sessions import ChainHasher, SessionTracker
+from shared.ingress.traffic_hook import TrafficRecorder
 from shared.log import get_logger
 from shared.service.runner import ServiceContext
 from shared.toolcalls.formats import select
@@ -102,6 +103,7 @@ async def setup(ctx: ServiceContext) -> None:
     locator = await _prefix_locator(ctx, model_dir)
     gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator)
     state = build_state(settings, gateway, tokenizer, metrics, model_dir, secret)
+    traffic = state.sessions.traffic = TrafficRecorder(ctx.publisher, ctx.worker_id, ctx.metrics.registry)
     app = create_app(state)  # metrics stay on the runner's side port (service.http_port), off the public API
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
                                    log_config=None, access_log=False, lifespan="off",
@@ -123,6 +125,7 @@ async def setup(ctx: ServiceContext) -> None:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
         await state.sessions.drain(settings.service.drain_timeout_s)  # the last turns' events
+        await traffic.drain(settings.service.drain_timeout_s)  # and their traffic records
         watch.cancel()
 
     ctx.on_stop.append(stop)

@@ -11,7 +11,7 @@ A dialect route calls, in order:
    logs carry the client's id as `session_id` (as the middleware bound the
    header), with `scoped_session_id` and `session_source`; the client's id
    comes back in the response's `x-session-id` header;
-3. `tracker.finish(turn, ...)` when the last token was delivered: the turn's
+3. `tracker.finish(turn, ..., usage=usage)` when the last token was delivered: the turn's
    chain (prompt + output, full blocks, as the workers hash them) becomes the
    session's anchors for inference and the `SessionEvent` published on
    `subjects.SESSION_EVENTS` (msg id `<request_id>:turn`), with the outcome
@@ -19,6 +19,8 @@ A dialect route calls, in order:
 The publish runs in the background: a bus that is down costs the event
 (logged, counted), never the client's response; at most
 `MAX_PENDING_PUBLISHES` wait at once, beyond that events are dropped and counted.
+With `traffic` set (shared/ingress/traffic_hook.py), `finish` also hands the
+request's record to it: the one place served traffic is recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -36,6 +39,7 @@ from shared.ingress.admission import Admitted
 from shared.ingress.errors import Dialect, invalid
 from shared.ingress.metrics import IngressMetrics
 from shared.ingress.session_table import SessionTable, anchor_of
+from shared.ingress.traffic_hook import TrafficRecorder, build_record
 from shared.log import get_logger
 from shared.protocol import subjects
 from shared.sessions.events import SessionEvent, TurnOutcome
@@ -44,6 +48,9 @@ from shared.sessions.identity import (
     scoped_session_id,
 )
 from shared.sessions.outcome import Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event
+
+if TYPE_CHECKING:
+    from shared.ingress.gateway import Usage
 
 log = get_logger(__name__)
 
@@ -98,6 +105,8 @@ class Turn:
     started_at: float
     prompt_ids: list[int]
     prompt_hashes: list[bytes]
+    path: str = ""  # the route (the traffic record's api)
+    started_mono: float = 0.0  # time.monotonic() at begin: the traffic record's TTFT counts from it
 
     @property
     def session_id(self) -> str:
@@ -115,6 +124,7 @@ class SessionTracker:
                  publisher: Publisher | None) -> None:
         self.table, self.hasher, self.metrics, self.publisher = table, hasher, metrics, publisher
         self._pending: set[asyncio.Task[None]] = set()
+        self.traffic: TrafficRecorder | None = None  # set by the service wiring (shared/ingress/service.py)
 
     def begin(self, adm: Admitted, given: SessionInputs, prompt_ids: list[int], evidence: ToolEvidence) -> Turn:
         tenant = adm.principal.tenant
@@ -131,18 +141,32 @@ class SessionTracker:
         self.metrics.sessions.labels(ref.source.value).inc()
         structlog.contextvars.bind_contextvars(session_id=ref.client_id, scoped_session_id=ref.session_id,
                                                session_source=ref.source.value)
-        return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes)
+        return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
+                    adm.path, time.monotonic())
 
     def finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
-               finish_reason: str | None, worker: str, parsed_tools: Sequence[str] = ()) -> None:
+               finish_reason: str | None, worker: str, parsed_tools: Sequence[str] = (),
+               usage: Usage | None = None) -> None:
         """The turn ended: remember its anchors, classify it and publish its event (in the background).
-        `parsed_tools`: the names of the tool calls parsed from the output. Never raises: the client's
-        response does not depend on it."""
+        `parsed_tools`: the names of the tool calls parsed from the output. With `usage`, the request's
+        traffic record goes to `traffic` too. Never raises: the client's response does not depend on it."""
         try:
             self._finish(turn, output_ids, answer_ids, finish_reason, worker, tuple(parsed_tools))
         except Exception:  # noqa: BLE001 - a bug here must cost the event, not the answer
             self.metrics.session_event_failures.inc()
             log.exception("session turn not recorded")
+        if self.traffic is not None and usage is not None:
+            self._record(turn, usage, len(output_ids), finish_reason, parsed_tools)
+
+    def _record(self, turn: Turn, usage: Usage, output_tokens: int, finish_reason: str | None,
+                parsed_tools: Sequence[str]) -> None:
+        assert self.traffic is not None
+        try:
+            record = build_record(turn, usage, output_tokens, finish_reason, parsed_tools, self.hasher.block_size)
+        except Exception:  # noqa: BLE001 - a bug here costs the record (counted), not the answer
+            log.exception("traffic record not built")
+            record = None
+        self.traffic.record(turn.request_id, record)
 
     def _finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
                 finish_reason: str | None, worker: str, parsed_tools: tuple[str, ...]) -> None:

@@ -129,6 +129,8 @@ class DecodeJob(Message):
 class TokenEvent(Message):
     """One step of a request's output stream; `seq` of the first token in `token_ids`."""
 
+    SCHEMA_VERSION = 2  # 2: `tier_tokens`
+
     request_id: str
     attempt: int = 0
     seq: int = Field(ge=0)
@@ -139,6 +141,7 @@ class TokenEvent(Message):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_created_tokens: int = 0  # prompt tokens newly written under a pin (cache_control / named cache)
+    tier_tokens: dict[str, int] | None = None  # where cached_tokens came from: l1/l2/peer/l3 (prefill's events)
     worker_id: str = ""
     error: str | None = None
     retriable: bool = True

@@ -66,7 +66,7 @@ class TrafficRecord(Message):
         """Prompt blocks served from cache (any tier): whole blocks only, as the engine reuses them."""
         return min(len(self.hash_ids), self.cached_tokens // self.block_tokens)
 
-    def device_hit_blocks(self) -> int:
-        """Prompt blocks served from some worker's device pool (own L1 or a peer's): the pooled-L1 view."""
+    def l1_hit_blocks(self) -> int:
+        """Prompt blocks the serving worker found in its own device pool (all cached ones if it did not say)."""
         tiers = self.tier_tokens or {"l1": self.cached_tokens}
-        return min(len(self.hash_ids), (tiers.get("l1", 0) + tiers.get("peer", 0)) // self.block_tokens)
+        return min(len(self.hash_ids), tiers.get("l1", 0) // self.block_tokens)

@@ -38,6 +38,7 @@ from shared.serving.prefix_reach import reach_prefix
 from shared.serving.runtime import WorkerRuntime
 from shared.serving.token_stream import publish_event
 from shared.tiers.namespace import namespace_for
+from shared.traffic.tiers import tier_tokens
 
 log = get_logger(__name__)
 
@@ -115,7 +116,8 @@ class PrefillWorker:
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
         created = cache_created(job.pins, len(reach.hashes), engine.engine.block_size, out.cached_tokens)
-        usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created}
+        usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created,
+                 "tier_tokens": tier_tokens(reach.sources, engine.engine.block_size, out.cached_tokens)}
         first = out.token_ids[0] if out.token_ids else None
         t2 = time.perf_counter()
         final_now = out.finish_reason == "stop" or job.sampling.max_tokens == 1
