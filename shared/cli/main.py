@@ -41,3 +41,4 @@ from shared.cli import kv as _kv; app.add_typer(_kv.app, name="kv")  # noqa: E40
 from shared.cli import chat as _chat; app.command(name="chat")(_chat.chat)  # noqa: E402
 from shared.cli import chaos as _chaos; app.add_typer(_chaos.app, name="chaos")  # noqa: E402
 from shared.cli import trace as _trace; app.add_typer(_trace.app, name="trace")  # noqa: E402
+from shared.cli import report as _report; app.add_typer(_report.app, name="report")  # noqa: E402

@@ -1,0 +1,153 @@
+"""`kvmesh report cost`: hosted vs self-built vs cross-turn cost of the served traffic, and a recommendation.
+
+Records come from the running stack's TRAFFIC stream (connecting as the
+stack's admin NATS user, from its state dir) or from `--trace FILE`, a
+recording of `kvmesh trace record`. The logic lives in shared/report/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Reports built from served traffic.", no_args_is_help=True)
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '30m', '12h', '7d', '1w' -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise typer.BadParameter(f"--since wants a duration like 30m, 12h or 7d, got {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+async def _read_stream(state_dir: Path, since: float | None):
+    import dataclasses
+
+    import nats
+
+    from shared.bus.client_auth import connect_kwargs
+    from shared.config import load_settings
+    from shared.stack.nats_credentials import admin_auth
+    from shared.stack.state import load_state
+    from shared.traffic.reader import read_records
+
+    state = load_state(state_dir.resolve())
+    if state is None or not state.nats_url:
+        raise typer.BadParameter(f"no kvmesh stack is running from {state_dir} (or pass --trace FILE)")
+    auth = admin_auth(state_dir.resolve())
+    tls_ca = load_settings().nats.tls_ca
+    if auth is not None and tls_ca:
+        auth = dataclasses.replace(auth, tls_ca=tls_ca)
+    nc = await nats.connect(**connect_kwargs(state.nats_url, auth), allow_reconnect=False, connect_timeout=5)
+    try:
+        return await read_records(nc.jetstream(), since)
+    finally:
+        await nc.close()
+
+
+def _records(trace: Path | None, state_dir: Path, since: float | None):
+    import asyncio
+
+    from shared.report.records import RecordsError, load_records
+    from shared.report.records import since as keep_since
+
+    if trace is not None:
+        try:
+            return keep_since(load_records(trace), since)
+        except RecordsError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return asyncio.run(_read_stream(state_dir, since))
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    m = report["measured"]
+    console.print(f"[bold]served traffic[/]: {m['requests']} requests, {m['tokens_in']:,} tokens in, "
+                  f"{m['tokens_out']:,} out, {m['cached_tokens']:,} cached ({m['hit_rate']:.1%}); "
+                  f"tiers " + ", ".join(f"{t} {r:.1%}" for t, r in m["tier_hit_rates"].items()))
+    console.print(f"sessions {m['sessions']} (turns mean {m['turns']['mean']:.2f}, p50 {m['turns']['p50']:.0f}, "
+                  f"p90 {m['turns']['p90']:.0f}); QPS mean {m['load']['mean_qps']:.3f}, peak "
+                  f"{m['load']['peak_qps']:.3f} (x{m['load']['peak_to_mean']:.2f}); "
+                  f"{m['load']['requests_per_day']:,.0f} requests/day; cache writes {m['cache_write_tokens'] or 'none'}")
+    table = Table(title=f"cost of this traffic (prices as of {report['prices']['as_of']})")
+    for column in ("option", "model", "total USD", "USD / day", "USD / 1M tokens"):
+        table.add_column(column, justify="left" if column in ("option", "model") else "right")
+    for c in report["hosted"]["apis"]:
+        table.add_row(c["provider"], c["model"], f"{c['total_usd']:.6f}", f"{c['per_day_usd']:.2f}",
+                      f"{c['per_1m_tokens_usd']:.4f}")
+    gpu = report["self_built"]["model"]
+    for c in report["self_built"]["options"]:
+        table.add_row(c["option"], f"{gpu['model']} on {gpu['gpu']}", f"{c['total_usd']:.6f}",
+                      f"{c['per_day_usd']:.2f}", f"{c['per_1m_tokens_usd']:.4f}")
+    console.print(table)
+    console.print(f"[dim]{report['hosted']['assumption']}. Self-built is a stated model: {gpu['prefill']}; decode "
+                  f"{gpu['decode_tokens_per_s']:,.0f} tokens/s per GPU at ${gpu['gpu_hour_usd']}/GPU-hour; "
+                  f"{gpu['provisioning']}.[/]")
+    total = report["hit_rate_over_time"]["totals"]
+    console.print(f"hit rate (prompt blocks): served {total['served']:.1%}, device pools {total['served_device']:.1%}, "
+                  f"Belady at pooled L1 {report['hit_rate_over_time']['capacity_blocks']:,} blocks "
+                  f"{total['belady']:.1%}, infinite {total['infinite']:.1%}")
+    console.print(f"[bold]recommendation: {report['recommendation']}[/]")
+    for reason in report["reasons"]:
+        console.print(f"  - {reason}")
+
+
+@app.command("cost")
+def cost(
+    since: Annotated[Optional[str], typer.Option(help="Only traffic of the last D (30m, 12h, 7d; default: all kept).")] = None,
+    prices: Annotated[Optional[Path], typer.Option(help="Price file (default: the shipped, dated prices.yaml).",
+                                                   exists=True, dir_okay=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    html: Annotated[Optional[Path], typer.Option(help="Write an HTML page here, with its PNG plots beside it.",
+                                                 dir_okay=False)] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="A recorded JSONL (kvmesh trace record) instead of the stack.",
+                                                  exists=True, dir_okay=False)] = None,
+    gpu_hour_usd: Annotated[Optional[float], typer.Option(min=0.0, help="GPU-hour price (default: the price file's).")] = None,
+    capacity_blocks: Annotated[Optional[int], typer.Option(
+        min=1, help="Pooled L1 blocks for the Belady line (default: engine L1 blocks x workers seen).")] = None,
+    ttft_slo_ms: Annotated[Optional[float], typer.Option(min=0.0, help="Your TTFT target, ms (none: latency-tolerant).")] = None,
+    hit_rate_target: Annotated[Optional[float], typer.Option(
+        min=0.0, max=1.0, help="A hit rate you must hold (a strict need favors cross-turn scheduling).")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(
+        "--state-dir", help="The stack's state dir (default: settings state_dir).")] = None,
+) -> None:
+    """Price the served traffic on hosted APIs, a self-built engine and kvmesh, and recommend one."""
+    from shared.config import load_settings
+    from shared.report.cost_report import ReportOptions, build_report, default_capacity
+    from shared.report.measure import measure
+    from shared.report.prices import PriceFileError, load_prices
+
+    settings = load_settings()
+    start = None if since is None else time.time() - parse_duration(since)
+    try:
+        book = load_prices(prices)
+    except PriceFileError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    records = _records(trace, state_dir or settings.state_dir, start)
+    if not records:
+        typer.echo("kvmesh report cost: no served traffic in the window", err=True)
+        raise typer.Exit(1)
+    per_worker = settings.eviction.l1_capacity_blocks or settings.engine.num_blocks
+    capacity = capacity_blocks or default_capacity(per_worker, measure(records).workers)
+    report = build_report(records, book, ReportOptions(capacity, gpu_hour_usd, ttft_slo_ms, hit_rate_target))
+    if html is not None:
+        from shared.report.html import write_html
+
+        report["html"] = [str(p) for p in write_html(report, html)]
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+        if html is not None:
+            typer.echo(f"wrote {', '.join(report['html'])}")
