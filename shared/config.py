@@ -140,6 +140,16 @@ class SessionRetentionSettings(BaseModel):
     max_sessions: int = Field(default=16_384, ge=1)  # tracked sessions; the least recently active go first
 
 
+class LiveBeladySettings(BaseModel):
+    """Live Belady in the eviction service (shared/eviction/live_belady.py, docs/operator-view.md)."""
+
+    enabled: bool = True
+    window_accesses: int = Field(default=262_144, ge=1)  # block accesses kept: ~8 bytes each (plus per request)
+    window_s: float = Field(default=3600.0, gt=0.0)  # and none older than this
+    period_s: float = Field(default=60.0, gt=0.0)  # seconds between recomputes, at least
+    max_cpu_share: float = Field(default=0.04, gt=0.0, le=1.0)  # of one core; stretches the period if needed
+
+
 class EvictionSettings(BaseModel):
     """The global eviction service (shared/eviction): watermarks, L3 GC budgets, warm-up."""
 
@@ -159,6 +169,7 @@ class EvictionSettings(BaseModel):
     warm_window_s: float = 120.0  # a worker is warmed if it started this recently (not on a service restart)
     max_block_stats: int = 2_000_000  # access stats kept for blocks held nowhere any more are pruned beyond this
     sessions: SessionRetentionSettings = Field(default_factory=SessionRetentionSettings)
+    live_belady: LiveBeladySettings = Field(default_factory=LiveBeladySettings)
 
 
 class PinQuotaSettings(BaseModel):

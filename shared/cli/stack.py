@@ -128,6 +128,10 @@ def status(
             typer.echo(f"  total rss {st.rss_total_bytes / 2**20:.1f} MiB")
         if st.cache_audit.get("workers_read"):
             typer.echo(f"  cache audit: {st.cache_audit['audited']} audited, {st.cache_audit['mismatches']} mismatches")
+        if (b := st.cache_belady).get("window_accesses"):
+            typer.echo(f"  cache hit rate: actual {b['actual']:.3f} (any tier {b['actual_any']:.3f}), belady "
+                       f"{b['belady']:.3f}, infinite {b['infinite']:.3f}; actual/belady {b['belady_ratio']:.2f} "
+                       f"over {int(b['window_accesses'])} block accesses, {int(b['capacity_blocks'])} L1 blocks")
     raise typer.Exit(int(ExitCode.OK if st.ready else ExitCode.NOT_READY))
 
 

@@ -1,14 +1,17 @@
-"""`kvmesh trace from-trajectories`: agent trajectories as a hash-id trace of interleaved sessions.
+"""`kvmesh trace from-trajectories|record`: hash-id traces for `kvmesh sim`.
 
-The logic lives in shared/sim/trajectories.py; this shell parses options,
-shows progress on stderr and prints a one-line JSON summary on stdout.
+`from-trajectories`: agent trajectories as a trace of interleaved sessions
+(the logic lives in shared/sim/trajectories.py). `record`: the running
+stack's served traffic (stream TRAFFIC, read as the stack's admin NATS
+user) as a trace: tenant-hashed, no prompt text (shared/traffic/). Both
+print a one-line JSON summary on stdout.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -75,3 +78,31 @@ def from_trajectories(
         bar.add_task(f"write {out}", total=None)
         write_trace(rows, out)
     typer.echo(json.dumps({"trace": str(out), **summarize(rows)}))
+
+
+@app.command("record")
+def record(
+    out: Annotated[Path, typer.Option(help="JSONL trace to write.", dir_okay=False)],
+    since: Annotated[Optional[str], typer.Option(help="Only traffic of the last D (30m, 12h, 7d; default: all kept).")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(
+        "--state-dir", help="The stack's state dir (default: settings state_dir).")] = None,
+) -> None:
+    """Write the running stack's served requests as a trace `kvmesh sim --trace OUT` replays."""
+    import asyncio
+    import time
+
+    from shared.cli.report import parse_duration
+    from shared.config import load_settings
+    from shared.traffic.stack_access import NoStack, read_stack_records
+    from shared.traffic.trace_lines import write_trace
+
+    start = None if since is None else time.time() - parse_duration(since)
+    try:
+        records = asyncio.run(read_stack_records(state_dir or load_settings().state_dir, start))
+    except NoStack as exc:
+        raise typer.BadParameter(str(exc)) from None
+    lines = write_trace(records, out)
+    sessions = {r.session_id for r in records if r.session_id}
+    typer.echo(json.dumps({"trace": str(out), "requests": lines, "sessions": len(sessions),
+                           "input_blocks": sum(len(r.hash_ids) for r in records),
+                           "tenants": len({r.tenant for r in records})}))

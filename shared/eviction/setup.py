@@ -1,7 +1,8 @@
-"""Wiring the eviction service into the runner: its endpoint, its L3 store, start and stop."""
+"""Wiring the eviction service into the runner: its endpoint, its L3 store, live Belady, start and stop."""
 
 from __future__ import annotations
 
+from shared.eviction.live_belady import LiveBelady
 from shared.eviction.messages import PinRequest
 from shared.eviction.pins import PinTable, kv_block_bytes
 from shared.eviction.service import EvictionService
@@ -26,6 +27,11 @@ async def setup(ctx: ServiceContext) -> None:
                               s.eviction.l1_capacity_blocks or s.engine.num_blocks, l3, ctx.metrics.registry,
                               events, PinTable.with_caps(s.eviction, s.pins, block_bytes))
     await service.start()
+    if s.eviction.live_belady.enabled:  # the gap to the offline optimum on the served traffic
+        live = LiveBelady(ctx.js, s.eviction.live_belady, s.eviction.l1_capacity_blocks or s.engine.num_blocks,
+                          ctx.metrics.registry)
+        await live.start()
+        ctx.on_stop.append(live.stop)
     ctx.add_endpoint(subjects.EVICTION_PIN, PinRequest, service.pin)
     ctx.on_stop.append(service.stop)
     ctx.on_stop.append(events.stop)

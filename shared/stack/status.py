@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shared.config import Settings
 from shared.serving.audit_status import read_audit_counts
+from shared.stack.belady_status import read_live_belady
 from shared.stack.credentials import S3Credentials, read_credentials
 from shared.stack.probe import EndpointStatus, check_endpoint
 from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
@@ -24,6 +25,7 @@ class StackStatus:
     processes: list[ProcessStatus] = field(default_factory=list)
     endpoints: list[EndpointStatus] = field(default_factory=list)
     cache_audit: dict[str, int] = field(default_factory=dict)  # audited / mismatches over the decode workers
+    cache_belady: dict[str, float] = field(default_factory=dict)  # live Belady gauges of the eviction service
 
     @property
     def rss_total_bytes(self) -> int:
@@ -44,8 +46,10 @@ def stack_status(settings: Settings, state_dir: Path) -> StackStatus:
     running = any(p.alive for p in procs) or (not procs and all(e.reachable for e in endpoints))
     ready = all(p.alive for p in procs) and all(e.ready for e in endpoints) and state.ready_at is not None
     starting = state.ready_at is None and launcher_alive(state)
-    audit = read_audit_counts((e.name, e.url) for e in state.endpoints if e.check == "http")
-    return StackStatus(str(state_dir), running, ready, starting, procs, endpoints, audit.as_dict())
+    http = [(e.name, e.url) for e in state.endpoints if e.check == "http"]
+    audit = read_audit_counts(http)
+    return StackStatus(str(state_dir), running, ready, starting, procs, endpoints, audit.as_dict(),
+                       read_live_belady(http))
 
 
 def _s3_credentials(settings: Settings, state: StackState, state_dir: Path) -> S3Credentials | None:

@@ -31,6 +31,11 @@ class ReadResult:
     skipped: int = 0  # payloads of another schema version or malformed
 
 
+def iso_utc(unix_s: float) -> str:
+    """A JetStream start time (RFC 3339, UTC) for unix seconds."""
+    return datetime.fromtimestamp(unix_s, UTC).isoformat().replace("+00:00", "Z")
+
+
 def _start(since: float | None) -> api.ConsumerConfig:
     config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0,
                                 filter_subject=subjects.TRAFFIC_ALL)
@@ -38,7 +43,7 @@ def _start(since: float | None) -> api.ConsumerConfig:
         config.deliver_policy = api.DeliverPolicy.ALL
     else:
         config.deliver_policy = api.DeliverPolicy.BY_START_TIME
-        config.opt_start_time = datetime.fromtimestamp(since, UTC).isoformat().replace("+00:00", "Z")
+        config.opt_start_time = iso_utc(since)
     return config
 
 
