@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import sys
 import time
@@ -55,6 +56,7 @@ class ChaosStack:
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     services: dict[str, str] = field(default_factory=dict)  # service id -> its package under services/
     ports: dict[str, int] = field(default_factory=dict)  # service id -> its side HTTP port
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))  # the ingress's salt secret, kept on restarts
 
     @property
     def nats_urls(self) -> list[str]:
@@ -104,6 +106,7 @@ class ChaosStack:
             KVMESH_TIERS__L3_CHUNK_TOKENS="32",  # short prompts reach L3 (2 blocks a chunk)
             KVMESH_TIERS__L2_SHARED_MEMORY="false",  # a worker without a prefix reads L3, not a peer's shm
             KVMESH_API_KEYS=f"{API_KEY}:chaos",
+            KVMESH_INGRESS_SECRET=self.secret,
             KVMESH_INGRESS__PORT=str(self.ingress_port),
             KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
             KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5",
