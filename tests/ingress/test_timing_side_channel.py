@@ -34,7 +34,7 @@ import pytest
 from ingress.serving_stack import ServingStack, make_stack
 from scipy.stats import ks_2samp
 
-from shared.stack.servers import NatsServer
+from shared.stack.servers import NatsServer, S3Server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,7 +45,8 @@ BODY = " ".join(f"Clause {i}: the harbour master logs tide, wind and cargo befor
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, s3_server, tiny_model_dir: Path) -> Iterator[ServingStack]:  # type: ignore[no-untyped-def]
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server,
+          tiny_model_dir: Path) -> Iterator[ServingStack]:
     """One prefill, one decode, one ingress on a NATS of their own (the ingress sees both tenants' requests
     on the same workers). Heartbeats get a long TTL: 250 back-to-back prefills on a busy 2-core box must not
     make a worker look gone."""
