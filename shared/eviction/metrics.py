@@ -18,6 +18,7 @@ _ERROR_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 @dataclass(frozen=True, slots=True)
 class EvictionMetrics:
     commands: Counter  # label kind: demote | warm
+    decided_blocks: Counter  # blocks advised out of a tier, labels tier (l1 | l2), reason: watermark | session_ended
     l3_deleted: Counter  # label reason: expired | over_quota | over_capacity | damaged
     prediction_error: Histogram  # |predicted - actual| next-turn arrival, label direction: early | late
 
@@ -34,6 +35,8 @@ class EvictionMetrics:
             registry.register(_RetentionCollector(retention))
         return cls(
             commands=Counter("kvmesh_eviction_commands", "Commands sent to workers.", ("kind",), registry=registry),
+            decided_blocks=Counter("kvmesh_eviction_decided_blocks", "Blocks the service advised a worker to move "
+                                   "out of a tier, by tier and reason.", ("tier", "reason"), registry=registry),
             l3_deleted=Counter("kvmesh_eviction_l3_deleted", "L3 objects deleted by GC.", ("reason",),
                                registry=registry),
             prediction_error=Histogram("kvmesh_session_return_prediction_error_seconds",

@@ -36,7 +36,7 @@ from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
 from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan, scrub
-from shared.eviction.messages import PinReply, PinRequest, Retain, Warm, WorkerCommand
+from shared.eviction.messages import Demote, PinReply, PinRequest, Retain, Warm, WorkerCommand
 from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
 from shared.kv_events.publisher import KVEventPublisher
@@ -145,7 +145,9 @@ class EvictionService:
         now = time.time()
         self.pins.expire(now)
         self.view.prune(self.settings.max_block_stats)
-        for cmd in [*self.advisor.advise(now), *self.retention.tick(now)]:
+        for cmd in self.advisor.advise(now):
+            await self._send(cmd, reason="watermark")
+        for cmd in self.retention.tick(now):  # due prefetches (retains): nothing demoted
             await self._send(cmd)
 
     async def collect(self) -> GCPlan:
@@ -222,19 +224,23 @@ class EvictionService:
             log.warning("unreadable session event skipped", error=str(exc))
             return
         for cmd in self.retention.on_event(ev, time.time()):
-            await self._send(cmd)
+            await self._send(cmd, reason="session_ended")
         if self.metrics is not None:
             self.metrics.observe_errors(self.retention.counts)
         else:
             self.retention.counts.errors.clear()
 
-    async def _send(self, cmd: WorkerCommand) -> None:
+    async def _send(self, cmd: WorkerCommand, reason: str = "") -> None:
+        """Publish a command; a demotion's blocks are counted under `reason` (why it was decided)."""
         if isinstance(cmd.command, Retain):  # what a worker keeps for a session, the advisor keeps too
             self.pins.pin((bytes.fromhex(h) for h in cmd.command.hashes), cmd.command.until)
         await self.publisher.publish(subjects.commands(cmd.worker), cmd, msg_id=cmd.command_id)
         self.sent = [*self.sent[-255:], cmd]
         if self.metrics is not None:
             self.metrics.commands.labels(cmd.command.kind).inc()
+            if isinstance(cmd.command, Demote):
+                tier = cmd.command.src.value.lower()
+                self.metrics.decided_blocks.labels(tier, reason).inc(len(cmd.command.hashes))
 
     async def _watch(self) -> None:
         async for change in follow_workers(self.js):

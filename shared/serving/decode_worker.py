@@ -176,4 +176,7 @@ class DecodeWorker:
         fetched = await fetch_chain(self.rt.engine, hashes, l1, min(len(handles), len(hashes)), sources,
                                     tenant_salt=salt, lease=lease, window_blocks=window,
                                     inflight=self.settings.resolve_inflight)
-        return Counter({Tier.L1: l1}) + fetched.sources
+        sources = Counter({Tier.L1: l1}) + fetched.sources
+        if self.rt.tier_metrics is not None:
+            self.rt.tier_metrics.observe("decode", sources, min(len(handles), len(hashes)), fetched.restore_s)
+        return sources

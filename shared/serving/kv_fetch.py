@@ -17,6 +17,7 @@ windows are dropped and the rest is recomputed.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -65,6 +66,7 @@ class Fetched:
     # restore holds no more than its windows in flight.
     hashes: list[bytes] = field(default_factory=list)
     sources: Counter = field(default_factory=Counter)  # Tier -> blocks imported from there
+    restore_s: dict = field(default_factory=dict)  # Tier -> seconds from the start until its last block was in
 
 
 async def cached_run(engine: EngineLoop, prompt_ids: Sequence[int], salt: bytes, limit: int | None,
@@ -100,6 +102,7 @@ async def fetch_chain(engine: EngineLoop, hashes: Sequence[bytes], start: int, s
         lease = f"kv-fetch:{uuid.uuid4().hex}"
     windows[0].prev_full.set_result(True)
     tasks: list[asyncio.Task] = []
+    t0 = time.perf_counter()
 
     def launch(k: int) -> None:
         if k < len(windows):
@@ -122,7 +125,10 @@ async def fetch_chain(engine: EngineLoop, hashes: Sequence[bytes], start: int, s
             res = await engine.call(lambda e, b=blocks: e.import_chain(b, tenant_salt, lease=lease))
             landed = res.reached
             out.hashes += [kb.block_hash for kb in blocks[:landed]]
+            now = time.perf_counter()
             for tier, run in parts:
+                if min(len(run), landed):
+                    out.restore_s[tier] = now - t0
                 out.sources[tier] += min(len(run), landed)
                 landed -= min(len(run), landed)
             if res.reached < w.stop - w.start:

@@ -115,6 +115,9 @@ class PrefillWorker:
             engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
+        if self.rt.tier_metrics is not None:
+            usable = (len(job.prompt_ids) - 1) // engine.engine.block_size
+            self.rt.tier_metrics.observe("prefill", reach.sources, usable, reach.restore_s)
         created = cache_created(job.pins, len(reach.hashes), engine.engine.block_size, out.cached_tokens)
         usage = {"cached_tokens": out.cached_tokens, "cache_created_tokens": created,
                  "tier_tokens": tier_tokens(reach.sources, engine.engine.block_size, out.cached_tokens)}

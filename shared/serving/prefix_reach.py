@@ -48,6 +48,7 @@ class Reach:
     l1_blocks: int  # leading blocks already in the engine
     imported: int = 0  # blocks right after them, fetched from the tiers and already in the engine
     sources: Counter = field(default_factory=Counter)  # Tier -> blocks found there
+    restore_s: dict = field(default_factory=dict)  # Tier -> seconds until its last block was in the engine
 
     @property
     def reached_blocks(self) -> int:
@@ -87,6 +88,7 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
                                 window_blocks=window, inflight=inflight)
     reach.imported = len(fetched.hashes)
     reach.sources.update(fetched.sources)
+    reach.restore_s = fetched.restore_s
     return reach
 
 

@@ -23,6 +23,7 @@ from shared.service.runner import ServiceContext
 from shared.serving.engine_loop import EngineLoop
 from shared.serving.peers import PeerDirectory
 from shared.serving.session_feed import SessionFeed
+from shared.serving.tier_metrics import TierMetrics, export_worker_metrics
 from shared.serving.worker_tiers import WorkerTiers
 
 # Jobs end by their own deadline (the ingress sets it); the consumer's hung-handler guard only backs it up.
@@ -41,6 +42,7 @@ class WorkerRuntime:
     peers: PeerDirectory
     events: KVEventPublisher  # L1 (engine), L2 and L3 changes -> the cache index
     sessions: SessionFeed | None = None  # with a session-aware engine policy: turns -> its book
+    tier_metrics: TierMetrics | None = None  # hits / misses / bytes / restore time per tier on /metrics
 
     @classmethod
     async def start(cls, ctx: ServiceContext) -> WorkerRuntime:
@@ -54,13 +56,15 @@ class WorkerRuntime:
         engine.start()
         tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events)
         tiers.counters.export(ctx.metrics.registry)  # checksum/corruption misses visible on /metrics
+        metrics = export_worker_metrics(ctx.metrics.registry, engine.engine, tiers,
+                                        loaded.config.kv_bytes_per_token() * s.engine.block_size)
         peers = PeerDirectory(ctx.js, ctx.worker_id)
         peers.start()
         policy = engine.engine.cache.policy
         sessions = SessionFeed(engine, policy) if isinstance(policy, SessionAware) else None
         if sessions is not None:
             await sessions.start(ctx.js)
-        rt = cls(loaded, engine, tiers, peers, events, sessions)
+        rt = cls(loaded, engine, tiers, peers, events, sessions, metrics)
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)

@@ -22,6 +22,7 @@ from shared.serving.decode_worker import DecodeWorker
 from shared.serving.prefill_worker import PrefillWorker
 from shared.serving.pinning import L2Pins
 from shared.serving.runtime import WorkerRuntime, job_consumer
+from shared.serving.tier_metrics import CommandsCollector
 
 log = get_logger(__name__)
 
@@ -45,6 +46,7 @@ def obey_eviction(ctx: ServiceContext, rt: WorkerRuntime) -> None:
     Advice only: the engine never waits for it and refuses to move pinned or in-use blocks.
     """
     commands = CommandHandler(rt.engine, rt.tiers.l2, rt.tiers.l3, rt.events)
+    ctx.metrics.registry.register(CommandsCollector(lambda: commands.applied))
     ctx.add_consumer(command_consumer(ctx.worker_id), commands.on_message)
 
 

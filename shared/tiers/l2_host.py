@@ -51,6 +51,8 @@ class HostTier:
         self.counters = counters if counters is not None else MissCounters()
         self.clock = clock
         self.used_bytes = 0
+        self.evicted_blocks = 0  # blocks let go to make room (for metrics)
+        self.refused_blocks = 0  # blocks not stored: too big, not admitted, or no room (all pinned)
         self._info: dict[bytes, BlockInfo] = {}
         self._checksums: dict[bytes, bytes] = {}
         # Policies that keep history across evictions (TinyLFU ...) hear of every put and hit.
@@ -95,10 +97,13 @@ class HostTier:
         info = BlockInfo(block_hash=key, parent_hash=header.parent_hash, depth=parent.depth + 1 if parent else 0,
                          num_tokens=header.block_size, size_bytes=total, created_at=now, last_access=now)
         if total > self.capacity_bytes or not self.policy.admit(info, now):
+            self.refused_blocks += 1
             return PutResult(False, [])
         evicted = self._make_room(total, now)
         if evicted is None:
+            self.refused_blocks += 1
             return PutResult(False, [])
+        self.evicted_blocks += len(evicted)
         self.arena.write(key, encoded if len(encoded) == total else memoryview(encoded)[:total])
         self._info[key] = info
         self._checksums[key] = checksum
