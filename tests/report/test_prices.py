@@ -14,7 +14,7 @@ def test_the_shipped_file_is_dated_and_sourced() -> None:
     assert {h.provider for h in book.hosted} == {"openai", "anthropic", "gemini", "deepseek"}
     for h in book.hosted:
         assert h.source.startswith("https://") and h.unconfirmed, h.provider
-        assert h.cached_input < h.input < h.output or h.cached_input < h.input, h.provider
+        assert 0 < h.cached_input < h.input < h.output, h.provider
     anthropic = next(h for h in book.hosted if h.provider == "anthropic")
     assert anthropic.write_multiplier(300) == 1.25 and anthropic.write_multiplier(3600) == 2.0
     assert anthropic.cached_input == pytest.approx(0.1 * anthropic.input)
