@@ -53,7 +53,7 @@ class FuzzReport:
     bad_error_bodies: int = 0  # 4xx/5xx bodies not in the dialect's error format
     operations: dict[str, int] = field(default_factory=dict)  # "POST /v1/messages" -> examples sent
     statuses: dict[str, int] = field(default_factory=dict)  # "400" -> count
-    failures: list[dict[str, Any]] = field(default_factory=list)  # the first few offenders (curl, status, body)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the first few offenders: request, body, response
 
 
 def error_problem(path: str, status: int, body: bytes) -> str | None:
@@ -94,8 +94,10 @@ def _record(report: FuzzReport, case: Any, status: int, content: bytes) -> None:
     if problem is not None:
         report.bad_error_bodies += 1
     if (status >= 500 or problem) and len(report.failures) < 10:
-        report.failures.append({"status": status, "problem": problem, "curl": case.as_curl_command()[:2000],
-                                "body": content[:500].decode("utf-8", "replace")})
+        # the request as sent, not schemathesis's curl line: that one masks fields named like secrets (max_tokens)
+        sent = json.dumps(case.body, default=str)[:2000] if isinstance(case.body, dict | list) else repr(case.body)
+        report.failures.append({"status": status, "problem": problem, "request": f"{case.method} {case.formatted_path}",
+                                "query": case.query, "body": sent, "response": content[:500].decode("utf-8", "replace")})
 
 
 def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:

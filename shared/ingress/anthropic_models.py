@@ -68,7 +68,8 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discr
 
 class InputMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    # an empty block list is refused, as Anthropic does: the message would vanish from the conversation
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
         if isinstance(self.content, str):

@@ -90,6 +90,13 @@ def test_hostile_bodies_get_400(stack: ServingStack, path: str) -> None:
     ]
     for body in hostile:
         assert_dialect_error(path, post(stack, path, body), 400)
+    # an empty block list (found by the fuzzer: a 500 once) would drop the message from the conversation
+    empty = {"model": model, "max_tokens": 2, "cache_control": {"type": "ephemeral"}, "input": [],
+             "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}]}
+    r = post(stack, path, json.dumps(empty).encode())
+    assert r.status_code < 500 and (r.status_code == 200 or error_problem(path, r.status_code, r.content) is None)
+    if path == "/v1/messages":
+        assert_dialect_error(path, r, 400)
     # a huge string within the size limit is an ordinary request: refused for its length, never a 5xx
     huge = {"model": model, "max_tokens": 2, "messages": [{**user, "content": "word " * 5_000}],
             "input": "word " * 5_000}
