@@ -146,8 +146,8 @@ class LiveBeladySettings(BaseModel):
     enabled: bool = True
     window_accesses: int = Field(default=262_144, ge=1)  # block accesses kept: ~8 bytes each (plus per request)
     window_s: float = Field(default=3600.0, gt=0.0)  # and none older than this
-    period_s: float = Field(default=60.0, gt=0.0)  # seconds between recomputes, at least
-    max_cpu_share: float = Field(default=0.04, gt=0.0, le=1.0)  # of one core; stretches the period if needed
+    period_s: float = Field(default=120.0, gt=0.0)  # seconds between recomputes, at least
+    max_cpu_share: float = Field(default=0.02, gt=0.0, le=1.0)  # recompute's share of one core; stretches the period
 
 
 class EvictionSettings(BaseModel):

@@ -166,3 +166,16 @@ def grammar_libs(
 
     result = run_grammar_libs_bench(tuple(int(v) for v in vocab_sizes.split(",") if v.strip()))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command("live-belady")
+def live_belady(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object.")] = False,
+    rate: Annotated[float, typer.Option(min=1.0, help="Requests per second of the Mooncake-shaped traffic.")] = 1000.0,
+    records: Annotated[int, typer.Option(min=100, help="Records sent through a real TRAFFIC stream (upkeep).")] = 20_000,
+) -> None:
+    """Live Belady's CPU share of one core (bus upkeep + periodic recompute) and its memory."""
+    from bench.live_belady import LiveBeladyBenchConfig, run_live_belady_bench
+
+    typer.echo(json.dumps(run_live_belady_bench(LiveBeladyBenchConfig(rate=rate, records=records)),
+                          indent=None if json_out else 2))

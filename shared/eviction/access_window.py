@@ -8,12 +8,17 @@ blocks sum to at most `max_accesses` and which arrived within `max_age_s`
 of the newest; older ones leave first. A request with more blocks than the
 whole window keeps its leading `max_accesses` (a prefix is still a chain).
 
-Memory bound: 8 bytes per kept access plus `ENTRY_OVERHEAD_BYTES` per entry
-(measured by bench/live_belady.py), so `max_accesses * 8 + entries * ~250`.
+Memory bound: 8 bytes per kept access plus about 140 bytes per entry (the
+entry object and its packed bytes' header; session and worker strings are
+shared), so at most `max_accesses * (8 + 140)` bytes (one block per request,
+the worst case) and 12.5 bytes per access on Mooncake-shaped traffic (31
+blocks a request: 3.3 MB for the default 262,144), measured by
+bench/live_belady.py (`kvmesh bench live-belady`).
 """
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +27,6 @@ from shared.protocol.traffic import TrafficRecord
 from shared.sim.trace import Trace, TraceRequest
 
 KEY_BYTES = 8
-ENTRY_OVERHEAD_BYTES = 250  # the entry object, its packed bytes' header, its strings (shared when interned)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +52,7 @@ class Access:
     @classmethod
     def of(cls, record: TrafficRecord, max_blocks: int) -> Access:
         ids = record.hash_ids[:max_blocks]
-        return cls(record.at, b"".join(h.to_bytes(KEY_BYTES, "big") for h in ids), record.block_tokens,
+        return cls(record.at, struct.pack(f">{len(ids)}Q", *ids), record.block_tokens,
                    record.input_length, record.worker, record.session_id,
                    min(len(ids), record.l1_hit_blocks()), min(len(ids), record.hit_blocks()))
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from shared.eviction.access_window import KEY_BYTES, AccessWindow, as_trace
 from shared.eviction.live_belady import compute
 from shared.ingress.traffic_hook import cache_writes
+from shared.protocol.base import ProtocolError
 from shared.protocol.serving import CachePin
 from shared.protocol.traffic import TrafficRecord, hash_id, session_tag, tenant_tag
 from shared.sim.run import run_one
@@ -30,7 +31,10 @@ def rec(at: float, ids: list[int], cached: int = 0, block_tokens: int = 16, **kw
 
 def test_ids_and_tags_are_stable_and_scoped() -> None:
     h = bytes(range(32))
-    assert hash_id(h) == int.from_bytes(h[:8], "big") and block_key(hash_id(h)) == h[:8]
+    assert hash_id(h) == int.from_bytes(h[:8], "big") and block_key(hash_id(h)) == h[:8]  # top bit clear here
+    assert hash_id(b"\xff" * 32) == 2**63 - 1
+    with pytest.raises(ProtocolError):
+        TrafficRecord.from_bytes(rec(0.0, [1]).to_bytes().replace(b'"hash_ids":[1]', b'"hash_ids":[9223372036854775808]'))
     assert tenant_tag("acme") == tenant_tag("acme") != tenant_tag("other") and "acme" not in tenant_tag("acme")
     assert session_tag("a", "chat-1") != session_tag("b", "chat-1") and len(session_tag("a", "x")) == 16
 
