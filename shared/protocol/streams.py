@@ -149,8 +149,8 @@ DEAD_LETTER = StreamSpec("DEAD_LETTER", (subjects.DEAD_LETTER_ALL,), 7 * DAY, 1 
                          description="poison messages with the reason in headers")
 SESSIONS = StreamSpec("SESSIONS", (subjects.SESSION_EVENTS,), 1 * DAY, 256 * MiB, 64 * 1024,
                       description="ingress -> eviction: how each agent turn ended (tool calls, answer, end)")
-# A record is ~100 bytes + 20 per prompt block; 1 GiB holds about 2 M long-context requests (days at 10 req/s),
-# and past it the oldest go first (discard old), as past the 7 days.
+# A record is ~400 bytes + 20 per prompt block: 1 GiB holds about a million 30-block requests (a day at
+# 10 req/s); past it the oldest go first (discard old), as past the 7 days.
 TRAFFIC = StreamSpec("TRAFFIC", (subjects.TRAFFIC_ALL,), 7 * DAY, 1 * GiB, 1 * MiB,
                      description="ingress -> trace record, live Belady, cost report: one record per finished request")
 ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMANDS, DEAD_LETTER, SESSIONS, TRAFFIC)
