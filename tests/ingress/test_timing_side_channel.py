@@ -16,9 +16,11 @@ hashes are chained).
 TTFT is measured the way a client sees it: openai SDK, streaming, from the
 call to the first chunk carrying a choice.
 
-Under the null hypothesis the KS p-value is uniform, so the first assertion
-fails by chance in about 5% of runs at most (the discrete small-sample KS
-is conservative); the p-values are printed for the record.
+Under the null hypothesis the KS p-value is uniform: one test would fail by
+chance in about 5% of runs. So a p <= 0.05 is checked again on a fresh
+sample, and only two in a row fail (a false alarm in about 1 run in 400; a
+real leak, which shows in every sample, still fails). The p-values are
+printed for the record.
 """
 
 from __future__ import annotations
@@ -83,12 +85,8 @@ def _ttft(client: openai.OpenAI, model: str, prompt: str) -> float:
     return first
 
 
-def test_another_tenants_hit_is_indistinguishable_from_cold_and_an_own_hit_is_not(stack: ServingStack) -> None:
-    model = stack.model_dir.name
-    a, b = _client(stack, "sk-tenant-a"), _client(stack, "sk-tenant-b")
-    _ttft(a, model, _prompt())  # the first request pays for warm-up paths (compiles, connections): untimed
-    _ttft(b, model, _prompt())
-    order = random.Random(14)
+def _samples(a: openai.OpenAI, b: openai.OpenAI, model: str, seed: int) -> dict[str, list[float]]:
+    order = random.Random(seed)
     samples: dict[str, list[float]] = {"b_on_a_cached": [], "b_cold": [], "a_cached": [], "a_cold": []}
     for _ in range(ROUNDS):
         shared = _prompt()
@@ -97,10 +95,26 @@ def test_another_tenants_hit_is_indistinguishable_from_cold_and_an_own_hit_is_no
         order.shuffle(timed)
         for name, client, prompt in timed:
             samples[name].append(_ttft(client, model, prompt))
+    return samples
+
+
+def _compare(samples: dict[str, list[float]]) -> tuple[float, float, dict[str, float]]:
+    """(p of B on A's cached vs B cold, p of A's hits vs A cold, median TTFTs in ms); printed."""
     other = ks_2samp(samples["b_on_a_cached"], samples["b_cold"])
     own = ks_2samp(samples["a_cached"], samples["a_cold"])
     medians = {k: round(sorted(v)[len(v) // 2] * 1000, 1) for k, v in samples.items()}
     print(f"KS tenant B on A's cached prompts vs cold: D={other.statistic:.3f} p={other.pvalue:.3f}; "
           f"control A's own hits vs cold: D={own.statistic:.3f} p={own.pvalue:.2e}; median TTFT ms {medians}")
-    assert own.pvalue < 0.05, f"the control sees no hit, so the test cannot see a leak: {medians}"
-    assert other.pvalue > 0.05, f"B's TTFT tells A's cached prompts from cold ones: p={other.pvalue:.4f} {medians}"
+    return other.pvalue, own.pvalue, medians
+
+
+def test_another_tenants_hit_is_indistinguishable_from_cold_and_an_own_hit_is_not(stack: ServingStack) -> None:
+    model = stack.model_dir.name
+    a, b = _client(stack, "sk-tenant-a"), _client(stack, "sk-tenant-b")
+    _ttft(a, model, _prompt())  # the first request pays for warm-up paths (compiles, connections): untimed
+    _ttft(b, model, _prompt())
+    other_p, own_p, medians = _compare(_samples(a, b, model, seed=14))
+    assert own_p < 0.05, f"the control sees no hit, so the test cannot see a leak: {medians}"
+    if other_p <= 0.05:  # one chance in 20 under no leak: a leak must show again on a fresh sample
+        other_p, _, medians = _compare(_samples(a, b, model, seed=15))
+    assert other_p > 0.05, f"B's TTFT tells A's cached prompts from cold ones, twice: p={other_p:.4f} {medians}"
