@@ -12,6 +12,13 @@ Built for 1M+ blocks and sub-millisecond lookups in pure Python:
   whose mask equals its predecessor's costs one comparison), keeping the
   workers still matching as a mask; it stops when no worker and no L3 run
   is left.
+
+Memory (bench/index.py --scale): a block costs its dict entry and its key
+int; mask values are interned (`_canon`: one int object per distinct
+mask), because a fleet has few distinct masks but wide ones: a block of
+worker slot 999 carries a 2,000-bit mask, ~290 bytes if each block had its
+own copy. The L1 bits of all slots are kept (`_l1_bits`), not rebuilt per
+lookup, so a lookup does not walk the worker table.
 """
 
 from __future__ import annotations
@@ -76,13 +83,23 @@ class BlockIndex:
     counts: dict[int, int] = field(default_factory=dict)  # bit position -> entries with that bit set
     _free: list[int] = field(default_factory=list)
     _names: dict[int, str] = field(default_factory=dict)  # slot -> worker id
+    _canon: dict[int, int] = field(default_factory=dict)  # mask -> the one int object every entry shares
+    _canon_floor: int = 0  # distinct masks at the last trim: `_canon` is trimmed when it doubles
+    _l1_bits: int = 0  # the L1 bit of every slot in use
 
     @classmethod
     def restore(cls, masks: dict[int, int], slots: dict[str, int], counts: dict[int, int]) -> BlockIndex:
         """An index from a snapshot's parts (see shared/cache_index/snapshot.py)."""
         used = set(slots.values())
         free = [s for s in range(max(used, default=-1) + 1) if s not in used]
-        return cls(masks, dict(slots), dict(counts), free, {s: w for w, s in slots.items()})
+        canon: dict[int, int] = {}
+        intern = canon.setdefault
+        masks = {k: intern(m, m) for k, m in masks.items()}
+        l1_bits = 0
+        for s in used:
+            l1_bits |= tier_bit(s, Tier.L1)
+        return cls(masks, dict(slots), dict(counts), free, {s: w for w, s in slots.items()}, canon, len(canon),
+                   l1_bits)
 
     def __len__(self) -> int:
         return len(self.masks)
@@ -95,6 +112,7 @@ class BlockIndex:
         if s is None:
             s = self._free.pop() if self._free else len(self.slots)
             self.slots[worker], self._names[s] = s, worker
+            self._l1_bits |= tier_bit(s, Tier.L1)
         return s
 
     def worker_blocks(self, worker: str, tier: Tier) -> int:
@@ -108,17 +126,19 @@ class BlockIndex:
             return
         bits = tier_bit(s, Tier.L1) | tier_bit(s, Tier.L2)
         if any(self.counts.get(b.bit_length() - 1, 0) for b in (tier_bit(s, Tier.L1), tier_bit(s, Tier.L2))):
-            masks, keep = self.masks, ~bits
+            masks, keep, intern = self.masks, ~bits, self._canon.setdefault
             for key in [k for k, m in masks.items() if m & bits]:
                 m = masks[key] & keep
                 if m:
-                    masks[key] = m
+                    masks[key] = intern(m, m)
                 else:
                     del masks[key]
+            self._trim_canon()
         for b in (tier_bit(s, Tier.L1), tier_bit(s, Tier.L2)):
             self.counts.pop(b.bit_length() - 1, None)
         if release:
             del self.slots[worker], self._names[s]
+            self._l1_bits &= ~tier_bit(s, Tier.L1)
             self._free.append(s)
 
     # --- entries -------------------------------------------------------
@@ -127,14 +147,16 @@ class BlockIndex:
         if tier is Tier.PEER:  # a route to another worker's L2, never a place a block is stored
             return
         bit = L3_BIT if tier is Tier.L3 else tier_bit(self.slot(worker), tier)
-        masks, added = self.masks, 0
+        masks, added, intern = self.masks, 0, self._canon.setdefault
         for k in keys:
             m = masks.get(k, 0)
             if not m & bit:
-                masks[k] = m | bit
+                m |= bit
+                masks[k] = intern(m, m)
                 added += 1
         pos = bit.bit_length() - 1
         self.counts[pos] = self.counts.get(pos, 0) + added
+        self._trim_canon()
 
     def discard(self, worker: str, tier: Tier, keys: Iterable[int]) -> None:
         if tier is Tier.PEER:
@@ -146,18 +168,26 @@ class BlockIndex:
             if s is None:
                 return
             bit = tier_bit(s, tier)
-        masks, removed, keep = self.masks, 0, ~bit
+        masks, removed, keep, intern = self.masks, 0, ~bit, self._canon.setdefault
         for k in keys:
             m = masks.get(k, 0)
             if m & bit:
                 removed += 1
                 m &= keep
                 if m:
-                    masks[k] = m
+                    masks[k] = intern(m, m)
                 else:
                     del masks[k]
         pos = bit.bit_length() - 1
         self.counts[pos] = self.counts.get(pos, 0) - removed
+        self._trim_canon()
+
+    def _trim_canon(self) -> None:
+        # Masks no entry holds any more stay in `_canon` until it has doubled since the last trim;
+        # the rebuild is one pass over the entries, so it costs O(1) amortised per change.
+        if len(self._canon) > 2 * self._canon_floor + 4096:
+            self._canon = {m: m for m in self.masks.values()}
+            self._canon_floor = len(self._canon)
 
     def worker_keys(self, worker: str, tier: Tier) -> set[int]:
         """Every key the index places in `worker`'s `tier` (L1/L2). A full scan: for checks, not lookups."""
@@ -182,10 +212,7 @@ class BlockIndex:
     def lookup(self, keys: Sequence[int]) -> LookupResult:
         """Per worker, the leading blocks of `keys` it holds (any of L1/L2) and their tier runs."""
         masks = self.masks
-        l1_bits = 0
-        for s in self._names:
-            l1_bits |= tier_bit(s, Tier.L1)
-        alive, prev_l1 = l1_bits, 0
+        alive, prev_l1 = self._l1_bits, 0
         l3_blocks = -1
         start: dict[int, int] = {}  # slot L1 bit -> index where its current run began
         runs: dict[int, list[TierRunResult]] = {}
