@@ -55,7 +55,7 @@ def records_when(nats_url: str, count: int, timeout_s: float = 60.0) -> list:
             await nc.close()
 
     deadline = time.monotonic() + timeout_s
-    while (got := asyncio.run(read())) and len(got) < count or not got:
+    while len(got := asyncio.run(read())) < count:
         assert time.monotonic() < deadline, f"{len(got)} of {count} traffic records arrived"
         time.sleep(0.1)
     return got
