@@ -28,31 +28,6 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
-async def _read_stream(state_dir: Path, since: float | None):
-    import dataclasses
-
-    import nats
-
-    from shared.bus.client_auth import connect_kwargs
-    from shared.config import load_settings
-    from shared.stack.nats_credentials import admin_auth
-    from shared.stack.state import load_state
-    from shared.traffic.reader import read_records
-
-    state = load_state(state_dir.resolve())
-    if state is None or not state.nats_url:
-        raise typer.BadParameter(f"no kvmesh stack is running from {state_dir} (or pass --trace FILE)")
-    auth = admin_auth(state_dir.resolve())
-    tls_ca = load_settings().nats.tls_ca
-    if auth is not None and tls_ca:
-        auth = dataclasses.replace(auth, tls_ca=tls_ca)
-    nc = await nats.connect(**connect_kwargs(state.nats_url, auth), allow_reconnect=False, connect_timeout=5)
-    try:
-        return await read_records(nc.jetstream(), since)
-    finally:
-        await nc.close()
-
-
 def _records(trace: Path | None, state_dir: Path, since: float | None):
     import asyncio
 
@@ -64,7 +39,12 @@ def _records(trace: Path | None, state_dir: Path, since: float | None):
             return keep_since(load_records(trace), since)
         except RecordsError as exc:
             raise typer.BadParameter(str(exc)) from None
-    return asyncio.run(_read_stream(state_dir, since))
+    from shared.traffic.stack_access import NoStack, read_stack_records
+
+    try:
+        return asyncio.run(read_stack_records(state_dir, since))
+    except NoStack as exc:
+        raise typer.BadParameter(f"{exc} (or pass --trace FILE)") from None
 
 
 def _print_table(report: dict) -> None:
