@@ -23,6 +23,10 @@ Per mode: TTFT p50/p99, cached-token ratio, and every request's output
 tokens; `same_outputs` says whether both modes answered every request
 identically (cache transparency: the cache may change speed, never tokens).
 `ttft_p99_ratio_lru_vs_session` above 1 means session-aware retention wins.
+`misses` splits each mode's uncached prompt tokens into those the stack had
+computed for the session's previous call and lost between the two calls
+(`evicted`: while the tool ran or the call was queued) and those no earlier
+call sent (`cold`).
 Progress on stderr; one JSON object.
 """
 
@@ -86,12 +90,42 @@ async def drive(base_url: str, model: str, w: AgentWorkload, cfg: AgentsBenchCon
     return calls
 
 
+def misses(calls: list[Call]) -> dict:
+    """Where the uncached prompt tokens came from, per call of a session (call k re-sends call k-1's prompt):
+
+    - `evicted`: tokens of the previous call's prompt (its full blocks) that were not cached: the stack had
+      computed them and lost them between the two calls, while the agent ran its tool or the call waited
+      in a queue;
+    - `cold`: tokens no earlier call of the session sent (its first call, the new tool result): a miss
+      under any policy (except what another session shares, the system prompt).
+    `calls_evicted`: calls that lost at least one block."""
+    by_session: dict[str, list[Call]] = {}
+    for c in calls:
+        by_session.setdefault(c.session, []).append(c)
+    evicted = cold = calls_evicted = 0
+    for seq in by_session.values():
+        seq.sort(key=lambda c: c.k)
+        before = 0
+        for c in seq:
+            s = c.sample
+            reusable = min(before, s.prompt_tokens) // BLOCK_TOKENS * BLOCK_TOKENS
+            lost = max(0, reusable - s.cached_tokens)
+            evicted, calls_evicted = evicted + lost, calls_evicted + (lost >= BLOCK_TOKENS)
+            cold += s.prompt_tokens - max(s.cached_tokens, reusable)
+            before = s.prompt_tokens
+    total = evicted + cold
+    return {"miss_tokens": total, "miss_evicted_tokens": evicted, "miss_cold_tokens": cold,
+            "miss_evicted_share": round(evicted / max(1, total), 4), "calls_evicted": calls_evicted}
+
+
 def summarize(calls: list[Call]) -> dict:
     ttft = [c.sample.ttft_s * 1000 for c in calls]
     prompt = sum(c.sample.prompt_tokens for c in calls)
     return {"requests": len(calls), "ttft_ms_p50": round(_pct(ttft, 0.5), 1), "ttft_ms_p99": round(_pct(ttft, 0.99), 1),
             "ttft_ms_mean": round(sum(ttft) / max(1, len(ttft)), 1), "prompt_tokens": prompt,
-            "cached_token_ratio": round(sum(c.sample.cached_tokens for c in calls) / max(1, prompt), 4)}
+            "output_tokens": sum(c.sample.completion_tokens for c in calls),
+            "cached_token_ratio": round(sum(c.sample.cached_tokens for c in calls) / max(1, prompt), 4),
+            "misses": misses(calls)}
 
 
 # What the session planner and the ingress did, from their /metrics (counters summed over labels).

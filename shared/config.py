@@ -142,6 +142,8 @@ class SessionRetentionSettings(BaseModel):
 
 class LiveBeladySettings(BaseModel):
     """Live Belady in the eviction service (shared/eviction/live_belady.py, docs/operator-view.md)."""
+    # A session whose turn was admitted is held this long (its end event re-plans): covers a queued job
+    in_use_hold_s: float = Field(default=30.0, ge=0.0)
 
     enabled: bool = True
     window_accesses: int = Field(default=262_144, ge=1)  # block accesses kept: ~8 bytes each (plus per request)

@@ -26,6 +26,13 @@ says so when its turn ends (shared/sessions/events.py). For each
    - ended: its unshared blocks (claimed by no other tracked session) still
      in L1 are demoted to L2 at once, leaves first, ahead of everything else.
 
+A ``started`` event (the ingress admitted the session's next turn) marks
+the session in use before its job is queued: the book ranks it as in use,
+so the advisor does not demote a session that waits in a queue past its
+predicted return, and its chain is held (`in_use_hold_s`, within the pin
+budget, ahead of every session that is away) until the turn's end event
+plans anew.
+
 Late and wasted prefetches are counted: late when the session came back
 before its prefetch was sent, wasted when its pin lapsed unused. Everything
 is advice: a lost event or command costs hits, never correctness. State is
@@ -57,6 +64,8 @@ class TrackedSession:
     pinned_until: float = 0.0  # 0: not pinned
     prefetch_at: float | None = None  # when to send the prefetch; None: none planned or already sent
     prefetched_at: float | None = None
+    started_request: str = ""  # the request whose turn started (announced) and has not ended yet
+    ended_request: str = ""  # the latest request whose turn ended: its started event, if late, is stale
 
 
 @dataclass(slots=True)
@@ -86,12 +95,20 @@ class SessionRetention:
         return len(set().union(*(s.chain for s in self.sessions.values()
                                  if s.worker == worker and s.pinned_until > now)))
 
+    def in_turn(self, tenant: str, session_id: str) -> bool:
+        """Whether the book holds the session as in use: a turn started and has not ended."""
+        return self.book.in_turn(self._book_id((tenant, session_id)))
+
     def on_event(self, ev: SessionEvent, now: float) -> list[WorkerCommand]:
         key = (ev.tenant, ev.session_id)
         sid = self._book_id(key)
         old = self.sessions.get(key)
+        if ev.outcome is TurnOutcome.STARTED:
+            return self._started(ev, key, old, now)
         chain = self._chain(ev)
-        if ev.started_at is not None:
+        if old is not None and ev.request_id and old.started_request == ev.request_id:
+            pass  # the turn's start was announced: the book and the predictor have it
+        elif ev.started_at is not None:
             if old is not None and old.prefetch_at is not None and ev.started_at < old.prefetch_at:
                 self.counts.late_prefetches += 1
             err = self.book.turn_started(sid, chain, ev.started_at)
@@ -100,6 +117,7 @@ class SessionRetention:
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
         self.book.turn_ended(sid, ev.at, ev.outcome, ev.tools, hint, hashes=chain)
         session = self._track(key, ev, chain)
+        session.started_request, session.ended_request = "", ev.request_id
         if ev.outcome is TurnOutcome.ENDED:
             out = self._demote_unshared(session)
             self._forget(key)
@@ -121,6 +139,26 @@ class SessionRetention:
         if session.expected_at < math.inf and outlook.p_return >= s.min_p_return:
             session.prefetch_at = session.expected_at - s.prefetch_lead_s
         return []
+
+    def _started(self, ev: SessionEvent, key: tuple[str, str], session: TrackedSession | None,
+                 now: float) -> list[WorkerCommand]:
+        """The session's turn was admitted: in use from `ev.at` until its end event; hold its chain."""
+        if session is not None and ev.request_id and session.ended_request == ev.request_id:
+            return []  # delivered after its own end
+        if session is not None and session.prefetch_at is not None and ev.at < session.prefetch_at:
+            self.counts.late_prefetches += 1
+        err = self.book.turn_announced(self._book_id(key), ev.at)
+        if err is not None:
+            self.counts.errors.append(err)
+        if session is None:
+            return []  # a first turn: nothing of it is cached yet
+        self.sessions.move_to_end(key)
+        session.started_request, session.prefetch_at, session.prefetched_at = ev.request_id, None, None
+        session.expected_at = session.deadline = ev.at  # back now: ahead of every session still away
+        if not session.chain or not session.worker or self.settings.in_use_hold_s <= 0:
+            return []
+        cmd = self._retain(session, now, fetch=False, until=now + self.settings.in_use_hold_s)
+        return [] if cmd is None else [cmd]
 
     def tick(self, now: float) -> list[WorkerCommand]:
         """Prefetches that are due; lapsed pins of prefetched sessions that never came back are counted."""
@@ -187,8 +225,10 @@ class SessionRetention:
             else:
                 self.claims.pop(h, None)
 
-    def _retain(self, session: TrackedSession, now: float, fetch: bool) -> WorkerCommand | None:
-        until = min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
+    def _retain(self, session: TrackedSession, now: float, fetch: bool,
+                until: float | None = None) -> WorkerCommand | None:
+        if until is None:
+            until = min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
         if not self._make_room(session, now):
             self.counts.budget_refusals += 1
             return None

@@ -10,7 +10,10 @@ A dialect route calls, in order:
    The tenant-scoped id goes into the job (and so the workers' KV events);
    logs carry the client's id as `session_id` (as the middleware bound the
    header), with `scoped_session_id` and `session_source`; the client's id
-   comes back in the response's `x-session-id` header;
+   comes back in the response's `x-session-id` header. It also publishes
+   the turn's ``started`` event (msg id `<request_id>:start`), so the
+   eviction service and the workers hold the session as in use while its
+   job waits in a queue (shared/sessions/events.py);
 3. `tracker.finish(turn, ..., usage=usage)` when the last token was delivered: the turn's
    chain (prompt + output, full blocks, as the workers hash them) becomes the
    session's anchors for inference and the `SessionEvent` published on
@@ -47,7 +50,9 @@ from shared.sessions.identity import (
     SessionHints, SessionInputError, SessionRef, Source, explicit_anthropic, explicit_openai, hints,
     scoped_session_id,
 )
-from shared.sessions.outcome import Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event
+from shared.sessions.outcome import (
+    Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event, started_event, started_msg_id,
+)
 
 if TYPE_CHECKING:
     from shared.ingress.gateway import Usage
@@ -141,8 +146,22 @@ class SessionTracker:
         self.metrics.sessions.labels(ref.source.value).inc()
         structlog.contextvars.bind_contextvars(session_id=ref.client_id, scoped_session_id=ref.session_id,
                                                session_source=ref.source.value)
-        return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
+        turn = Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
                     adm.path, time.monotonic())
+        self._announce(turn)
+        return turn
+
+    def _announce(self, turn: Turn) -> None:
+        """Publish the turn's started event (background; a failure costs the signal, never the request)."""
+        try:
+            named = self.hasher.named and bool(turn.prompt_hashes)
+            chain = Chain(turn.prompt_hashes[-1].hex() if named else None, len(turn.prompt_hashes) if named else 0)
+            facts = EventFacts(turn.ref.tenant, turn.tenant_salt, turn.session_id, turn.request_id,
+                               turn.hints.expected_return_ms, turn.started_at, chain)
+            self._publish_later(started_event(facts), started_msg_id(facts))
+        except Exception:  # noqa: BLE001 - advice lost, never the client's request
+            self.metrics.session_event_failures.inc()
+            log.exception("session turn start not announced")
 
     def finish(self, turn: Turn, output_ids: Sequence[int], answer_ids: Sequence[int] | None,
                finish_reason: str | None, worker: str, parsed_tools: Sequence[str] = (),

@@ -7,7 +7,11 @@ In an agent's tool loop that matters most: the session that just left for
 a tool comes back in seconds, but is the least recently used one in the
 pool, which is what LRU evicts first. The worker feeds the book:
 
-- a job's arrival starts a turn of its session with the prompt's blocks;
+- the session's ``started`` event (the ingress admitted its turn) starts
+  the turn: the session is in use while its job waits in a queue, however
+  long past its predicted return that is;
+- a job's arrival starts the turn if the event has not (a lost or late
+  event), and binds the prompt's blocks to it;
 - the session's `SessionEvent` (stream SESSIONS, new events only) ends the
   turn with its outcome, tools and hint;
 - every `tick_s` the book re-estimates sessions still away (`advance`).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from collections import OrderedDict
 from contextlib import suppress
 
 from nats.aio.msg import Msg
@@ -35,9 +40,11 @@ from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.streams import SESSIONS
 from shared.serving.engine_loop import EngineLoop
-from shared.sessions.events import SessionEvent
+from shared.sessions.events import SessionEvent, TurnOutcome
 
 log = get_logger(__name__)
+
+_ENDED_REMEMBERED = 4096  # requests whose end was seen: a started event arriving after its end is stale
 
 
 def _monotonic(unix_s: float) -> float:
@@ -45,11 +52,14 @@ def _monotonic(unix_s: float) -> float:
 
 
 class SessionFeed:
-    """`start(js)` subscribes; `turn_started` is called by the worker for each job; `stop()` ends it."""
+    """`start(js)` subscribes; `turn_started` is called by the worker for each job; `stop()` ends it.
+    `events` counts the events applied, `started` the turn starts among them."""
 
     def __init__(self, engine: EngineLoop, policy: SessionAware, tick_s: float = 1.0) -> None:
         self.engine, self.policy, self.tick_s = engine, policy, tick_s
         self.events = 0  # session events applied (for tests and logs)
+        self.started = 0  # of which turn starts
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._sub = None
         self._ticker: asyncio.Task[None] | None = None
 
@@ -83,6 +93,21 @@ class SessionFeed:
             log.warning("unreadable session event skipped", error=str(exc))
             return
         book = self.policy.book
+        if ev.outcome is TurnOutcome.STARTED:
+            if ev.request_id in self._ended:
+                return  # delivered after its own end: the turn is over
+
+            def start(e) -> None:
+                book.turn_announced(ev.session_id, _monotonic(ev.at))
+                e.cache.rekey(book.take_changed())
+            await self.engine.call(start)
+            self.started += 1
+            self.events += 1
+            return
+        if ev.request_id:
+            self._ended[ev.request_id] = None
+            while len(self._ended) > _ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
 
         def end(e) -> None:

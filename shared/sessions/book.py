@@ -4,7 +4,10 @@ An eviction policy asks ``next_use(block, last_access)``: the time at which
 the block is expected to be read again, Belady's key estimated online. A
 block belongs to the latest session whose turn sent it. Per session:
 
-- during a turn (started, not ended): the turn's start, i.e. now: in use;
+- during a turn (started, not ended): the turn's start, i.e. now: in use.
+  A turn starts when it is admitted (`turn_announced`) or when its blocks
+  arrive (`turn_started`), whichever comes first; the second only binds
+  the blocks;
 - after a turn that ended with tools or an answer: ``Outlook.next_use()``
   from the ``ReturnPredictor``, the time until its return stretched by the
   odds that it returns at all (expected reads per second a block is kept);
@@ -80,14 +83,26 @@ class SessionBook:
     # -- turn events ----------------------------------------------------------
 
     def turn_started(self, session_id: str, hashes: Sequence[bytes], at: float) -> float | None:
-        """A turn of ``session_id`` that sends ``hashes`` arrived; returns the prediction error (s) or None."""
+        """A turn of ``session_id`` that sends ``hashes`` arrived; returns the prediction error (s) or None.
+
+        If the session is already in a turn (announced at admission: `turn_announced`), this is that
+        turn's job arriving: only its blocks are bound, the predictor learnt the gap already."""
         self.advance(at)
-        error = self.predictor.turn_started(session_id, at)
         s = self._session(session_id)
+        if isinstance(s.state, float) and s.state < math.inf:
+            self._drop_unsent(s, hashes)
+            self.bind(session_id, hashes, at)
+            return None
+        error = self.predictor.turn_started(session_id, at)
         self._drop_unsent(s, hashes)
         self.bind(session_id, hashes, at)
         self._set(s, at)
         return error
+
+    def turn_announced(self, session_id: str, at: float) -> float | None:
+        """A turn of ``session_id`` was admitted at ``at``, its blocks not known yet: the session is in use
+        from now on (its blocks are the ones it sent before). Returns the prediction error, as `turn_started`."""
+        return self.turn_started(session_id, self.blocks_of(session_id), at)
 
     def turn_ended(self, session_id: str, at: float, outcome: TurnOutcome, tools: Sequence[str] = (),
                    hint_s: float | None = None, hashes: Sequence[bytes] = ()) -> None:
@@ -169,6 +184,11 @@ class SessionBook:
 
     def outlook(self, session_id: str) -> Outlook | None:
         return self.predictor.outlook(session_id)
+
+    def in_turn(self, session_id: str) -> bool:
+        """Whether a turn of the session started (admitted or arrived) and has not ended."""
+        s = self._sessions.get(session_id)
+        return s is not None and isinstance(s.state, float) and s.state < math.inf
 
     # -- internals ------------------------------------------------------------
 

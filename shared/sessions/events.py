@@ -10,8 +10,16 @@ the session's KV differently:
 - ``ended``: the client said the session is over (the end endpoint, or a
   hint); its unshared blocks can go first.
 
-One `SessionEvent` per ended turn goes to `subjects.SESSION_EVENTS` (stream
-SESSIONS). `last_hash` is the last full block of the turn's chain
+One more kind is not an end: ``started`` says the ingress admitted a turn
+of the session (`started_at` = `at`), before its job is queued. From then
+on the session is in use: on a saturated pool its job may wait in a queue
+well past the predicted return, and a consumer that learnt of the turn only
+from the job would take the waiting session for overdue and evict the very
+chain the job is about to read. A started event names the prompt's last
+full block (`last_hash`, often not computed yet) and no worker.
+
+One `SessionEvent` per admitted turn (``started``) and one per ended turn go
+to `subjects.SESSION_EVENTS` (stream SESSIONS), in that order per turn. `last_hash` is the last full block of the turn's chain
 (the prompt plus what was generated, as far as blocks are full), so a
 consumer can find the whole chain from it (the index, the KV events).
 `expected_return_ms` is the client's hint, when it gave one. Consumers
@@ -33,10 +41,11 @@ class TurnOutcome(StrEnum):
     TOOL_CALLS = "tool_calls"
     ANSWER = "answer"
     ENDED = "ended"
+    STARTED = "started"  # not an end: the turn was admitted (see the module docstring)
 
 
 class SessionEvent(Message):
-    """Session `session_id` of `tenant` ended a turn (or ended) at `at` (unix seconds)."""
+    """Session `session_id` of `tenant` ended a turn (or ended), or started one (`STARTED`), at `at` (unix s)."""
 
     tenant: str = Field(min_length=1)
     tenant_salt: str = ""  # hex, as in the session's jobs: what a worker needs to prefetch its blocks

@@ -126,3 +126,15 @@ def event_msg_id(facts: EventFacts, outcome: TurnOutcome) -> str:
     if facts.request_id:
         return f"{facts.request_id}:turn"
     return f"{facts.session_id}:{outcome.value}:{facts.chain.last_hash or 'none'}"
+
+
+def started_event(facts: EventFacts) -> SessionEvent:
+    """The turn `facts.request_id` was admitted at `facts.started_at`: the session is in use from then on
+    (its chain names the prompt's full blocks; no worker has it yet)."""
+    assert facts.started_at is not None and facts.request_id
+    return session_event(facts, TurnOutcome.STARTED, [], facts.started_at)
+
+
+def started_msg_id(facts: EventFacts) -> str:
+    """Nats-Msg-Id of a turn's started event: one per request, apart from its end's."""
+    return f"{facts.request_id}:start"
