@@ -138,12 +138,12 @@ class SessionRetentionSettings(BaseModel):
     prefetch_lead_s: float = Field(default=5.0, ge=0.0)  # a later session is fetched back this long before
     min_p_return: float = Field(default=0.3, ge=0.0, le=1.0)  # ... if at least this likely to come back at all
     max_sessions: int = Field(default=16_384, ge=1)  # tracked sessions; the least recently active go first
+    # A session whose turn was admitted is held this long (its end event re-plans): covers a queued job
+    in_use_hold_s: float = Field(default=30.0, ge=0.0)
 
 
 class LiveBeladySettings(BaseModel):
     """Live Belady in the eviction service (shared/eviction/live_belady.py, docs/operator-view.md)."""
-    # A session whose turn was admitted is held this long (its end event re-plans): covers a queued job
-    in_use_hold_s: float = Field(default=30.0, ge=0.0)
 
     enabled: bool = True
     window_accesses: int = Field(default=262_144, ge=1)  # block accesses kept: ~8 bytes each (plus per request)
