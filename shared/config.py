@@ -164,6 +164,7 @@ class EvictionSettings(BaseModel):
     readvise_s: float = 30.0  # a block advised to leave is not advised again for this long
     max_hashes_per_command: int = 4096
     gc_interval_s: float = 60.0
+    gc_keys_per_pass: int | None = Field(default=100_000, ge=1)  # L3 keys one GC pass lists; None: the whole bucket
     scrub_bytes_per_pass: int = 256 * 1024 * 1024  # L3 bytes a GC pass reads to find damaged objects
     l3_capacity_bytes: int | None = None  # budget of the whole L3 bucket; None: TTL only
     namespace_quota_bytes: int | None = None  # per-tenant L3 budget; None: no quota

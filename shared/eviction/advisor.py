@@ -1,7 +1,8 @@
 """From the occupancy view to commands: which worker should demote what, now.
 
 `Advisor.advise(now)` runs `plan_demotion` for every worker's L1 and L2
-against their capacities and returns the `WorkerCommand`s to send. A block
+against that worker's capacities (from its heartbeat, else `l1_capacity` and
+`settings.l2_capacity_blocks`) and returns the `WorkerCommand`s to send. A block
 advised to leave counts as gone for `readvise_s` (until the worker's events
 say where it went), so one over-full tier is not advised twice. Protected:
 pinned blocks; in L2 also blocks without an L3 copy (dropping them there
@@ -37,9 +38,10 @@ class Advisor:
         marks = Watermarks(s.high_water, s.low_water)
         self._advised = {k: t for k, t in self._advised.items() if now - t < s.readvise_s}
         out: list[WorkerCommand] = []
-        caps = {Tier.L1: self.l1_capacity, Tier.L2: s.l2_capacity_blocks}
+        defaults = {Tier.L1: self.l1_capacity, Tier.L2: s.l2_capacity_blocks}
         for worker in list(self.view.workers):
-            for tier, cap in caps.items():
+            for tier, default in defaults.items():
+                cap = self.view.capacity(worker, tier, default)
                 if not cap:
                     continue
                 blocks = {h: i for h, i in self.view.blocks(worker, tier).items()

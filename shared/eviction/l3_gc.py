@@ -4,12 +4,17 @@ and damaged ones a scrub finds.
 L3 is content-addressed (`{fingerprint}/{namespace}/{last block hash}`):
 two workers writing the same chunk write one object, so there is one copy
 per block by construction and GC never has duplicates to reconcile; it only
-decides which objects go. The facts come from each object's metadata as
-`L3Store.put_chunk` wrote it (namespace, ttl-s, last-access, blocks) and
-its size. Order of the cuts: expired first (TTL from the metadata), then
+decides which objects go. The service's passes get the facts from
+listings alone (l3_sweep.py: key, size, Last-Modified as the last access,
+a HEAD only for a TTL candidate); `scan` reads every object's metadata as
+`L3Store.put_chunk` wrote it (namespace, ttl-s, last-access, blocks), one
+HEAD per object: an inspection tool and the old pass's baseline
+(bench/l3_gc.py), not the service's pass. Order of the cuts: expired first, then
 each namespace down to its quota, then the bucket down to its byte budget;
 within a cut, the policy's lowest priority goes first. A pinned chunk (any
-of its blocks pinned) is never deleted, not even when expired.
+of its blocks pinned) is never deleted, not even when expired. A pass over
+one slice of the bucket cuts each budget in proportion (`BucketTotals`:
+the bytes the last full cycle counted).
 
 `scrub` reads every object once (again only if it changes), a byte budget
 per pass, and removes the damaged: no reader would ever be served them, but
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from minio.deleteobjects import DeleteObject
 
 from shared.cache_policy.base import BlockInfo, EvictionPolicy
 from shared.eviction.pins import PinTable
@@ -54,6 +61,22 @@ class GCLimits:
 
     def quota(self, namespace: str) -> int | None:
         return self.quotas.get(namespace, self.namespace_quota_bytes)
+
+
+@dataclass(slots=True)
+class BucketTotals:
+    """Bytes per namespace and objects of the bucket, as one full cycle of slices counted them."""
+
+    bytes_by_ns: dict[str, int] = field(default_factory=dict)
+    objects: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_ns.values())
+
+    def add(self, obj: L3Object) -> None:
+        self.bytes_by_ns[obj.namespace] = self.bytes_by_ns.get(obj.namespace, 0) + obj.size
+        self.objects += 1
 
 
 @dataclass(slots=True)
@@ -116,14 +139,20 @@ def chunk_pinned(store: L3Store, pins: PinTable, now: float) -> Callable[[L3Obje
             return False
         if pins.pinned(obj.last_hash, now):
             return True
-        toc = store.read_toc(obj.key, max_blocks=max(obj.blocks, 1))
+        toc = store.read_toc(obj.key, max_blocks=obj.blocks or 256)  # 0: a listing does not say
         return isinstance(toc, Miss) or pins.any_pinned((h for h, _, _ in toc), now)
     return pinned
 
 
 def plan_gc(objects: Iterable[L3Object], limits: GCLimits, policy: EvictionPolicy, now: float,
-            pinned: Callable[[L3Object], bool], accesses: Callable[[L3Object], int] = lambda o: 1) -> GCPlan:
-    """The keys to delete and why; pure apart from the callbacks (pins, access counts)."""
+            pinned: Callable[[L3Object], bool], accesses: Callable[[L3Object], int] = lambda o: 1,
+            totals: BucketTotals | None = None) -> GCPlan:
+    """The keys to delete and why; pure apart from the callbacks (pins, access counts).
+
+    `objects` is the whole bucket (`totals` None: budgets are exact) or one slice of it: then a
+    namespace over its quota in `totals` keeps quota/total of its bytes in this slice (the capacity
+    likewise), so a full cycle of slices cuts each budget's excess once.
+    """
     plan = GCPlan()
     live: list[L3Object] = []
     for obj in objects:
@@ -141,21 +170,33 @@ def plan_gc(objects: Iterable[L3Object], limits: GCLimits, policy: EvictionPolic
     for ns, objs in by_ns.items():
         quota = limits.quota(ns)
         if quota is not None:
-            plan.over_quota += _cut(objs, quota, rank, pinned)
+            total = None if totals is None else totals.bytes_by_ns.get(ns)
+            plan.over_quota += _cut(objs, _share(objs, quota, total), rank, pinned)
     gone = set(plan.over_quota)
     live = [o for o in live if o.key not in gone]
     if limits.capacity_bytes is not None:
-        plan.over_capacity = _cut(live, limits.capacity_bytes, rank, pinned)
+        budget = _share(live, limits.capacity_bytes, None if totals is None else totals.bytes)
+        plan.over_capacity = _cut(live, budget, rank, pinned)
     return plan
 
 
+def _share(objs: list[L3Object], budget: int, total: int | None) -> int:
+    """The budget of this slice: all of it for the whole bucket, else the slice's share of it."""
+    if total is None or total <= budget:
+        return budget if total is None else sum(o.size for o in objs)
+    return int(sum(o.size for o in objs) * budget / total)
+
+
 def apply_gc(store: L3Store, keys: Iterable[str]) -> int:
-    """Delete the objects; returns how many (an absent one counts: S3 DELETE is idempotent)."""
-    n = 0
-    for key in keys:
-        store.client.remove_object(store.bucket, key)
-        n += 1
-    return n
+    """Delete the objects, up to 1,000 per request (S3 DeleteObjects); returns how many went.
+
+    An absent one counts (S3 DELETE is idempotent); one S3 refused does not.
+    """
+    keys = list(keys)
+    if not keys:
+        return 0
+    errors = list(store.client.remove_objects(store.bucket, (DeleteObject(k) for k in keys)))
+    return len(keys) - len(errors)
 
 
 def _cut(objs: list[L3Object], budget: int, rank: Callable[[L3Object], float],

@@ -6,6 +6,9 @@ it keeps the hashes known in L3 (content-addressed: one copy serves every
 worker) and one `BlockInfo` per hash, the access statistics the policies
 rank by: every `BlockStored` of a hash, on any worker or tier, counts as an
 access (a block is stored again because a request computed or fetched it).
+Each worker's tier capacities come from its heartbeat (`set_capacity`);
+`capacity(worker, tier, default)` falls back to the service's settings for
+a worker that did not state one.
 Not thread-safe: the service's event loop owns it.
 """
 
@@ -38,6 +41,14 @@ class OccupancyView:
     workers: dict[str, WorkerOccupancy] = field(default_factory=dict)
     l3: set[bytes] = field(default_factory=set)
     stats: dict[bytes, BlockInfo] = field(default_factory=dict)
+    capacities: dict[str, dict[Tier, int]] = field(default_factory=dict)  # worker -> its stated tier sizes (blocks)
+
+    def set_capacity(self, worker: str, l1_blocks: int | None, l2_blocks: int | None) -> None:
+        """Record what a worker's heartbeat says its tiers hold; None leaves that tier to the default."""
+        self.capacities[worker] = {t: n for t, n in ((Tier.L1, l1_blocks), (Tier.L2, l2_blocks)) if n is not None}
+
+    def capacity(self, worker: str, tier: Tier, default: int | None) -> int | None:
+        return self.capacities.get(worker, {}).get(tier, default)
 
     def apply(self, batch: KVEventBatch, now: float) -> None:
         """Apply one batch; a batch of an older epoch than the worker's latest is ignored (a late replay)."""
@@ -77,6 +88,7 @@ class OccupancyView:
     def forget_worker(self, worker: str) -> None:
         """A worker went down: its L1/L2 are gone (its L3 chunks stay: they are shared)."""
         self.workers.pop(worker, None)
+        self.capacities.pop(worker, None)
 
     def blocks(self, worker: str, tier: Tier) -> dict[bytes, BlockInfo]:
         """The stats of every block `worker` holds in `tier` (a policy's input)."""

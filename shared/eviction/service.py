@@ -10,8 +10,11 @@ L1 until its predicted return, or fetched back just before it) and
 ended-session demotions it sends at once, and every `tick_s` sends the
 `Advisor`'s demotions and due prefetches to `subjects.commands(worker)`
 (stream COMMANDS). A retained chain is also pinned here, so the advisor
-never demotes it. Every `gc_interval_s` it
-scans L3, scrubs it (damaged objects go) and deletes what `plan_gc` picks;
+never demotes it. Each worker is advised at the L1/L2 sizes its heartbeat
+states (the settings' where it states none). Every `gc_interval_s` it
+takes the next slice of L3 (`gc_keys_per_pass` keys from a listing, no
+request per object: l3_sweep.py), scrubs it (damaged objects go) and
+deletes what `plan_gc` picks;
 with an `events` publisher it reports the blocks of every chunk it deleted
 as `BlockRemoved(L3)`, so the cache index's L3 presence does not go stale.
 It only advises: workers never wait for it, and if it is down they evict
@@ -35,7 +38,8 @@ from shared.bus.publish import Publisher
 from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
 from shared.eviction.advisor import Advisor
-from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scan, scrub
+from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scrub
+from shared.eviction.l3_sweep import L3Sweep, list_chunks
 from shared.eviction.messages import Demote, PinReply, PinRequest, Retain, Warm, WorkerCommand
 from shared.eviction.metrics import EvictionMetrics
 from shared.eviction.occupancy import OccupancyView
@@ -81,13 +85,14 @@ class EvictionService:
         if isinstance(self.policy, SessionAware):
             self.policy.book = book
         self.retention = SessionRetention(self.view, book, settings.sessions, l1_capacity)
-        self.l3_objects: list[L3Object] = []
+        self.sweep = None if l3 is None else L3Sweep(l3, settings.gc_keys_per_pass)
+        self.l3_objects: list[L3Object] = []  # the most recently accessed chunks seen (bounded): warm-up's pool
         self._verified: set[tuple[str, str]] = set()  # (key, etag) of L3 objects a scrub read intact
         self.sent: list[WorkerCommand] = []  # the latest commands published (bounded), for tests and status
         self.deleted = 0
         self.metrics = None if registry is None else EvictionMetrics.create(
             registry, lambda: float(len(self.pins)), lambda: float(len(self.view.workers)),
-            lambda: float(len(self.l3_objects)), self.retention.counts)
+            lambda: float(self.sweep.objects_known() if self.sweep is not None else 0), self.retention.counts)
         self._subs: list = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -151,21 +156,26 @@ class EvictionService:
             await self._send(cmd)
 
     async def collect(self) -> GCPlan:
-        """One L3 pass: scan, plan, delete; also refreshes the object list warm-ups rank."""
-        assert self.l3 is not None
-        store, now = self.l3, time.time()
-        objects = await asyncio.to_thread(scan, store)
+        """One L3 pass over the next slice: list, confirm TTL candidates, scrub, plan, delete."""
+        assert self.l3 is not None and self.sweep is not None
+        store, sweep, now = self.l3, self.sweep, time.time()
+        part = await asyncio.to_thread(sweep.next_slice)
+        objects = await asyncio.to_thread(sweep.confirm, part.objects, now)
         s = self.settings
-        self._verified &= {(o.key, o.etag) for o in objects}
+        sweep.prune_verified(self._verified, part)
         damaged = set(await asyncio.to_thread(scrub, store, objects, self._verified, s.scrub_bytes_per_pass))
         objects = [o for o in objects if o.key not in damaged]
+        sliced = sweep.keys_per_pass is not None
         limits = GCLimits(capacity_bytes=s.l3_capacity_bytes, namespace_quota_bytes=s.namespace_quota_bytes)
+        if sliced and sweep.totals is None:
+            limits = GCLimits()  # byte budgets wait for one full cycle's counts: TTL only until then
         pinned = chunk_pinned(store, self.pins, now)
 
         def accesses(obj: L3Object) -> int:
             info = self.view.stats.get(obj.last_hash)
             return info.access_count if info is not None else 1
-        plan = await asyncio.to_thread(plan_gc, objects, limits, self.policy, now, pinned, accesses)
+        plan = await asyncio.to_thread(plan_gc, objects, limits, self.policy, now, pinned, accesses,
+                                       sweep.totals if sliced else None)
         # What the deleted chunks held leaves the L3 view: L2 advice then keeps those blocks (a block
         # also in a surviving chunk is only kept more carefully than needed).
         gone_hashes = await asyncio.to_thread(_toc_hashes, store, plan.keys)
@@ -178,11 +188,20 @@ class EvictionService:
                                  ("over_capacity", plan.over_capacity), ("damaged", damaged)):
                 self.metrics.l3_deleted.labels(reason).inc(len(keys))
         gone = set(plan.keys)
-        self.l3_objects = [o for o in objects if o.key not in gone]
+        kept = [o for o in objects if o.key not in gone]
+        sweep.finish(part, kept)
+        self._keep_warm_pool(kept, gone | damaged)
         if gone or damaged:
             log.info("L3 gc", expired=len(plan.expired), over_quota=len(plan.over_quota),
                      over_capacity=len(plan.over_capacity), damaged=len(damaged))
         return plan
+
+    def _keep_warm_pool(self, kept: list[L3Object], gone: set[str]) -> None:
+        """Merge a slice into warm-up's pool: the most recently accessed chunks, a bounded number."""
+        limit = max(1024, 16 * self.settings.warm_max_chunks)
+        fresh = {o.key for o in kept}
+        pool = [o for o in self.l3_objects if o.key not in gone and o.key not in fresh] + kept
+        self.l3_objects = sorted(pool, key=lambda o: o.last_access, reverse=True)[:limit]
 
     async def warm(self, worker: str, incarnation: str = "") -> WorkerCommand | None:
         """Send `worker` the hottest L3 chunks (scanning L3 first if no scan has run yet).
@@ -193,8 +212,10 @@ class EvictionService:
         if self.l3 is None:
             return None
         if not self.l3_objects:
-            try:
-                self.l3_objects = await asyncio.to_thread(scan, self.l3)
+            try:  # the bucket's first keys, as listed: no request per object
+                limit = self.settings.gc_keys_per_pass
+                listed = await asyncio.to_thread(lambda: list(list_chunks(self.l3, "", limit)))
+                self._keep_warm_pool(listed, set())
             except Exception as exc:  # noqa: BLE001 - L3 down or no bucket yet: no warm-up (degrade, don't fail)
                 log.warning("L3 scan for warm-up failed", error=repr(exc))
                 return None
@@ -246,7 +267,11 @@ class EvictionService:
         async for change in follow_workers(self.js):
             if change.change is Change.DOWN:
                 self.view.forget_worker(change.worker_id)
-            elif change.change is Change.UP and change.heartbeat and self._fresh(change.heartbeat):
+            elif change.change is Change.UP and change.heartbeat:
+                hb = change.heartbeat  # its own tier sizes: advice at its capacity, not the settings'
+                self.view.set_capacity(change.worker_id, hb.l1_capacity_blocks, hb.l2_capacity_blocks)
+                if not self._fresh(hb):
+                    continue
                 try:
                     await self.warm(change.worker_id, f"{change.heartbeat.started_at.timestamp():.6f}")
                 except Exception as exc:  # noqa: BLE001 - warming is advice: a worker that misses it just starts cold

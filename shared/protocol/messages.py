@@ -31,6 +31,10 @@ class Heartbeat(Message):
     `started_at` and a reset `seq`. A worker that publishes KV events also
     says how far its event log is in the stream (`kv_epoch`, `kv_seq`), so
     the cache index notices a lost event even when no later one follows.
+    A worker with KV tiers states their sizes in blocks (`l1_capacity_blocks`:
+    its engine's device pool; `l2_capacity_blocks`: its host tier), so the
+    eviction service advises each worker at its own capacity; None: not said
+    (the service falls back to its settings).
     """
 
     worker_id: str = Field(min_length=1)
@@ -43,6 +47,8 @@ class Heartbeat(Message):
     ttl_s: float = Field(gt=0)  # the entry's TTL: without a newer heartbeat by then, the worker is gone
     kv_epoch: int | None = Field(default=None, ge=0)
     kv_seq: int | None = Field(default=None, ge=0)  # events of kv_epoch up to this one are in KV_EVENTS
+    l1_capacity_blocks: int | None = Field(default=None, ge=0)
+    l2_capacity_blocks: int | None = Field(default=None, ge=0)
 
 
 class ErrorReply(Message):

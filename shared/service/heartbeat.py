@@ -38,6 +38,8 @@ class HeartbeatLoop:
     load: Callable[[], float] = lambda: 0.0
     capacity: float = 1.0
     kv_position: Callable[[], tuple[int, int]] | None = None  # (epoch, seq) of the worker's published KV events
+    l1_capacity_blocks: int | None = None  # a worker's tier sizes, for the eviction service (None: not a worker)
+    l2_capacity_blocks: int | None = None
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     seq: int = 0
     _last_ok: float = field(default_factory=time.monotonic, init=False)
@@ -55,7 +57,8 @@ class HeartbeatLoop:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, load=float(self.load()), capacity=float(self.capacity),
             started_at=self.started_at, http_endpoint=self.http_endpoint, seq=self.seq, ttl_s=self.ttl_s,
-            kv_epoch=epoch, kv_seq=kv_seq,
+            kv_epoch=epoch, kv_seq=kv_seq, l1_capacity_blocks=self.l1_capacity_blocks,
+            l2_capacity_blocks=self.l2_capacity_blocks,
         )
 
     async def beat(self) -> None:

@@ -93,6 +93,8 @@ class ServiceContext:
     load: Callable[[], float] | None = None  # default: messages in flight across this service's consumers
     capacity: float = 1.0
     kv_position: Callable[[], tuple[int, int]] | None = None  # a worker's KV event log position, for heartbeats
+    l1_capacity_blocks: int | None = None  # a worker's tier sizes in blocks, for heartbeats
+    l2_capacity_blocks: int | None = None
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     def add_consumer(self, spec: ConsumerSpec, handler: Handler) -> ConsumerLoop:
@@ -168,7 +170,9 @@ class ServiceRunner:
             heartbeat = HeartbeatLoop(js, self.worker_id, self.role, self.http_endpoint,
                                       s.service.heartbeat_interval_s, s.service.heartbeat_ttl_s, self.metrics,
                                       load=ctx.load or (lambda: float(sum(c.in_flight for c in ctx.consumers))),
-                                      capacity=ctx.capacity, kv_position=ctx.kv_position)
+                                      capacity=ctx.capacity, kv_position=ctx.kv_position,
+                                      l1_capacity_blocks=ctx.l1_capacity_blocks,
+                                      l2_capacity_blocks=ctx.l2_capacity_blocks)
             tasks.append(asyncio.create_task(heartbeat.run()))
             log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id)
             self._started.set()

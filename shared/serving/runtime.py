@@ -5,7 +5,8 @@ starts the KV event publisher (the engine's listener; L2/L3 changes too),
 the engine thread, the tiers (L2, L3 uploads, peer fetch server), the
 peer directory and, with a session-aware eviction policy, the feed of
 session turns into its book (shared/serving/session_feed.py), and wires readiness (engine thread alive), load
-(live requests) and capacity (`engine.max_num_seqs`) into the service
+(live requests), capacity (`engine.max_num_seqs`) and its L1/L2 sizes in
+blocks (heartbeat fields the eviction service advises by) into the service
 context; everything is closed by the runner's stop hooks after the drain.
 """
 
@@ -69,6 +70,10 @@ class WorkerRuntime:
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)
         ctx.kv_position = events.position
+        # The eviction service advises this worker at these sizes (its own settings are a fallback).
+        ctx.l1_capacity_blocks = s.engine.num_blocks
+        block_bytes = loaded.config.kv_bytes_per_token() * s.engine.block_size
+        ctx.l2_capacity_blocks = tiers.l2.capacity_bytes // max(1, block_bytes)
         ctx.on_stop.append(rt.close)
         return rt
 

@@ -30,6 +30,7 @@ from shared.tiers.handle import BlockHandle
 from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
+from shared.tiers.l3_touch import L3Touches
 from shared.tiers.miss import MissCounters, Tier
 from shared.tiers.namespace import namespace_for
 from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
@@ -65,6 +66,7 @@ class WorkerTiers:
     events: KVEventPublisher | None = None  # L2 / L3 changes for the cache index
     _peer_server: NatsPeerServer | None = None
     _peer_client: NatsPeerClient | None = None
+    _touch_task: asyncio.Task[None] | None = None  # flushes L3 read touches every interval
 
     @property
     def peer_client(self) -> NatsPeerClient | None:
@@ -87,6 +89,7 @@ class WorkerTiers:
                 l3.on_quarantined = lambda hashes: events.removed(hashes, Tier.L3)
             t = settings.tiers
             l3.known = KnownChunks(t.l3_known_chunks, t.l3_known_max_age_s)
+            l3.touches = L3Touches()  # reads refresh last-access: the GC's TTL counts from the last read
             uploads = UploadQueue(l3, t.l3_upload_queue_bytes, source=L2Source(l2), tail_delay_s=t.l3_tail_delay_s,
                                   on_uploaded=on_uploaded)
             uploads.start()
@@ -97,11 +100,18 @@ class WorkerTiers:
         shm = ShmPeerClient(fingerprint, counters)
         resolver = Resolver(worker_id, l1=None, l2=l2, peers=ShmPeerClient(fingerprint, counters, client), l3=l3,
                             counters=counters)
-        return cls(worker_id, l2, l3, uploads, shm, resolver, counters, events, server, client)
+        tiers = cls(worker_id, l2, l3, uploads, shm, resolver, counters, events, server, client)
+        if l3 is not None and l3.touches is not None:
+            tiers._touch_task = asyncio.create_task(l3.touches.run(l3.client, l3.bucket))
+        return tiers
 
     async def close(self) -> None:
         if self.uploads is not None:
             await self.uploads.close()
+        if self._touch_task is not None and self.l3 is not None and self.l3.touches is not None:
+            self._touch_task.cancel()
+            await asyncio.gather(self._touch_task, return_exceptions=True)
+            await asyncio.to_thread(self.l3.touches.flush, self.l3.client, self.l3.bucket)
         if self._peer_server is not None:
             await self._peer_server.stop()
         if self._peer_client is not None:

@@ -24,7 +24,10 @@ chunk cannot interleave: whichever comes first, the longer TTL wins. A read that
 damaged (checksum, truncation, wrong content under its key) deletes it: it
 can never be served, and since writes skip existing keys, only its removal
 lets the next writer of that chunk put a good copy back (`on_quarantined`
-hears which blocks left L3, for the cache index). Every call goes
+hears which blocks left L3, for the cache index). With `touches` (a
+worker's store), every read notes the object's Last-Modified and metadata
+from the GET's own response, so an object read often enough is refreshed
+and never expires by TTL (l3_touch.py). Every call goes
 through the circuit breaker: while it is open, reads are `TIER_DOWN` misses
 and writes raise `L3Unavailable` at once.
 """
@@ -48,6 +51,7 @@ from shared.tiers.circuit_breaker import CircuitBreaker
 from shared.tiers.handle import BlockHandle
 from shared.tiers.key_locks import KeyLocks
 from shared.tiers.known_chunks import KnownChunks
+from shared.tiers.l3_touch import L3Touches
 from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 _ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
@@ -112,6 +116,7 @@ class L3Store:
     known: KnownChunks | None = None  # chunks known stored: writes skip them unasked (None: always HEAD)
     default_ttl_s: int | None = None  # the deployment's upload TTL (None: this ttl_s); a longer ttl_s extends objects
     locks: KeyLocks = field(default_factory=KeyLocks)  # shared by `replace` copies: one writer per key at a time
+    touches: L3Touches | None = None  # reads refresh last-access (a worker's store; not the GC's scrub reads)
 
     def __post_init__(self) -> None:
         if self.default_ttl_s is None:
@@ -284,6 +289,8 @@ class L3Store:
         try:
             resp = self.client.get_object(self.bucket, key, offset=offset, length=length)
             data = resp.read()
+            if self.touches is not None:
+                self.touches.note(key, resp.headers, self.ttl_s)
         except S3Error as exc:
             if exc.code in _ABSENT:
                 self.breaker.record_success()

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from bus.helpers import FAST_BUS, connected, eventually, unique
 
-from shared.config import EvictionSettings, PinQuotaSettings, S3Settings, ServiceSettings, Settings
+from shared.config import EvictionSettings, PinQuotaSettings, S3Settings, ServiceSettings, Settings, TierSettings
 from shared.eviction.client import pin_prefix, unpin_prefix
 from shared.eviction.l3_gc import scan
 from shared.eviction.setup import setup
@@ -41,6 +41,7 @@ async def test_caps_refuse_past_the_tenant_and_the_pool_and_gc_keeps_pinned(fres
         s3_access_key=s3_server.access_key, s3_secret_key=s3_server.secret_key, s3=S3Settings(bucket=store.bucket),
         service=ServiceSettings(worker_id=unique("ev"), http_port=0, heartbeat_interval_s=0.3, heartbeat_ttl_s=2.0),
         eviction=EvictionSettings(tick_s=0.2, gc_interval_s=0.3), pins=PINS,
+        tiers=TierSettings(l3_ttl_s=1),  # the TTL the chunks above were written with
     )
     a, b, c = chain(4, "a"), [kb.block_hash for kb in pinned_blocks] + chain(2, "b"), chain(2, "c")
     async with connected(url, "test") as nc:

@@ -9,7 +9,7 @@ import httpx
 from bus.helpers import FAST_BUS, connected, eventually, unique
 
 from shared.bus.request import request
-from shared.config import EvictionSettings, S3Settings, ServiceSettings, Settings
+from shared.config import EvictionSettings, S3Settings, ServiceSettings, Settings, TierSettings
 from shared.eviction.l3_gc import scan
 from shared.eviction.messages import PinReply, PinRequest
 from shared.eviction.setup import setup
@@ -25,12 +25,13 @@ async def test_service_pins_and_collects_expired_l3_chunks(fresh_nats_server, s3
     url, fp = fresh_nats_server.url, "fp-runner-01"
     store = l3_store(s3_server, fp, chunk_blocks=2)
     replace(store, ttl_s=1).put_chain("t-x", [encode_kv_block(kb, fp) for kb in kv_chain(2, seed=11)])
-    kept = store.put_chain("t-x", [encode_kv_block(kb, fp) for kb in kv_chain(2, seed=12)])  # a week's TTL
+    # Written with a longer TTL than the deployment's (as a named cache does): the GC's HEAD finds it.
+    kept = store.put_chain("t-x", [encode_kv_block(kb, fp) for kb in kv_chain(2, seed=12)])  # an hour's TTL
     settings = Settings(
         nats_url=url, bus=FAST_BUS, state_dir=tmp_path, s3_endpoint=s3_server.endpoint,
         s3_access_key=s3_server.access_key, s3_secret_key=s3_server.secret_key, s3=S3Settings(bucket=store.bucket),
         service=ServiceSettings(worker_id=unique("ev"), http_port=0, heartbeat_interval_s=0.3, heartbeat_ttl_s=2.0),
-        eviction=EvictionSettings(tick_s=0.2, gc_interval_s=0.3),
+        eviction=EvictionSettings(tick_s=0.2, gc_interval_s=0.3), tiers=TierSettings(l3_ttl_s=1),
     )
     async with connected(url, "test") as nc:  # declares the streams, as `kvmesh up` does before services start
         runner = ServiceRunner("eviction", Role.EVICTION, setup, settings)

@@ -130,7 +130,8 @@ async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server
     for name, blocks in (("cold", cold), ("hot", hot)):
         handles = store.put_chain("shared", [encode_kv_block(kb, fp) for kb in blocks])
         keys[name] = [h.object_key for h in handles][1::2]  # one key per chunk of 2
-    gc_view = L3Store(store.client, store.bucket, fingerprint="")  # the service GCs every model's chunks
+    # The service's store has the deployment's TTL (tiers.l3_ttl_s), the one the workers wrote with.
+    gc_view = L3Store(store.client, store.bucket, fingerprint="", ttl_s=1)  # the service GCs every model's chunks
     newcomer, busy = unique("w"), unique("w")
     async with service(url, l1_capacity=1000, l3=gc_view) as svc, connected(url, "test") as nc:
         async with worker_events(url, busy) as pub:
@@ -161,7 +162,8 @@ async def test_gc_reports_deleted_chunks_to_the_cache_index_as_l3_removals(fresh
     gone, kept = kv_chain(4, seed=31), kv_chain(2, seed=32)
     store.put_chain("t", [encode_kv_block(kb, fp) for kb in gone])
     replace(store, ttl_s=3600).put_chain("t", [encode_kv_block(kb, fp) for kb in kept])
-    gc_view = L3Store(store.client, store.bucket, fingerprint="")
+    # The service's store has the deployment's TTL (tiers.l3_ttl_s), the one the workers wrote with.
+    gc_view = L3Store(store.client, store.bucket, fingerprint="", ttl_s=1)
     s = IndexSettings(flush_interval_s=0.01, snapshot_every_s=3600, snapshot_name=unique("snap"))
     async with connected(url, "eviction") as nc, worker_events(url, unique("w")) as worker:
         worker.stored([kb.block_hash for kb in gone + kept], Tier.L3, tokens_per_block=16)
