@@ -115,6 +115,10 @@ class BusSettings(BaseModel):
     nak_delay_s: float = 1.0
     fetch_batch: int = 16
     fetch_timeout_s: float = 1.0
+    # A per-worker durable consumer (jobs/handoffs/commands addressed to one worker id) nobody fetched from
+    # for this long is deleted by the server: outlasts a restart of the same id and a leader election, while
+    # ids that churn away leave nothing behind (a busy worker keeps it: pending acks count as activity).
+    worker_consumer_inactive_s: float = Field(default=300.0, gt=0.0)
 
 
 class WorkerSettings(BaseModel):

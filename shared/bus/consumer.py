@@ -19,7 +19,13 @@ a long handler is not redelivered behind its back.
 
 `stop()` stops fetching; `run()` then waits for in-flight handlers until the
 drain deadline, cancels what is left (those messages are nak'ed for prompt
-redelivery elsewhere) and returns.
+redelivery elsewhere) and returns. A per-worker consumer (`spec.per_worker`)
+is declared with `bus.worker_consumer_inactive_s` as its inactive threshold
+and deleted after a clean stop (not when the loop is cancelled or the
+process dies: the threshold removes those); its messages stay in their
+work-queue stream. A consumer that vanished under a running loop (expired
+during a long partition, deleted by hand) is declared again at the next
+failed fetch.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import TypeVar
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from shared.bus.publish import Publisher, PublishError
 from shared.config import BusSettings
@@ -96,7 +103,7 @@ class ConsumerLoop:
         self._stopping.set()
 
     async def run(self) -> None:
-        await declare_consumer(self.js, self.spec)
+        await self._declare()
         sub = await self.js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         self._ready.set()
         log.info("consumer started", stream=self.spec.stream, durable=self.spec.durable)
@@ -107,6 +114,25 @@ class ConsumerLoop:
             await self._drain_inflight()
             await sub.unsubscribe()
             log.info("consumer stopped", stream=self.spec.stream, durable=self.spec.durable)
+        # reached after a clean stop only: a cancelled loop (abrupt end) leaves its consumer to the threshold
+        if self.spec.per_worker:
+            await self._delete()
+
+    async def _declare(self) -> None:
+        threshold = self.settings.worker_consumer_inactive_s if self.spec.per_worker else None
+        await declare_consumer(self.js, self.spec, threshold)
+
+    async def _delete(self) -> None:
+        """Delete this worker's consumer; best effort (a user without the permission, a bus already gone)."""
+        try:
+            await asyncio.wait_for(self.js.delete_consumer(self.spec.stream, self.spec.durable),
+                                   self.settings.request_timeout_s)
+            log.info("consumer deleted", stream=self.spec.stream, durable=self.spec.durable)
+        except NotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the inactive threshold removes it anyway
+            log.info("consumer not deleted, left to the inactive threshold", durable=self.spec.durable,
+                     error=repr(exc))
 
     async def _fetch_loop(self, sub: JetStreamContext.PullSubscription) -> None:
         batch = max(1, self.settings.fetch_batch)
@@ -126,6 +152,8 @@ class ConsumerLoop:
                     break
                 log.warning("fetch failed", durable=self.spec.durable, error=repr(exc))
                 await asyncio.sleep(min(1.0, self.settings.fetch_timeout_s))
+                if isinstance(exc, (ServiceUnavailableError, nats.errors.NoRespondersError)):
+                    await self._redeclare()  # no one answers pulls: the consumer may be gone
                 continue
             for msg in msgs:
                 if self._stopping.is_set():
@@ -134,6 +162,12 @@ class ConsumerLoop:
                 task = asyncio.create_task(self._guarded(msg))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
+
+    async def _redeclare(self) -> None:
+        try:
+            await self._declare()
+        except Exception as exc:  # noqa: BLE001 - still no JetStream (leader election): the next fetch retries
+            log.warning("consumer not declared again", durable=self.spec.durable, error=repr(exc))
 
     async def _drain_inflight(self) -> None:
         if not self._inflight:

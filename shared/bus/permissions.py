@@ -9,7 +9,10 @@ and streams.py; the properties the tests hold it to:
   (`kvmesh.traffic.<own id>`), which the eviction service (live Belady) and admin read;
 - a worker publishes KV events, load reports and its heartbeat
   (`$KV.workers.<id>`) only under its own id, and takes only its own
-  addressed jobs, handoffs and commands;
+  addressed jobs, handoffs and commands; it deletes its own consumers of
+  them when it drains (per-id users only: a per-role user's `*` would also
+  name the shared `any` queues, so its consumers are left to the inactive
+  threshold);
 - only workers (prefill, decode) make peer-fetch requests, and only a worker
   serves (subscribes to) its own peer-fetch subject;
 - each process receives replies on its own inbox prefix
@@ -84,6 +87,13 @@ def _pull(stream: str, durable: str, filter_subject: str) -> tuple[str, ...]:
             f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>")
 
 
+def _own_pull(stream: str, role_prefix: str, own: str, filter_subject: str) -> tuple[str, ...]:
+    """A worker's own durable consumer: `_pull`, plus deleting it at drain when the user is one id's."""
+    durable = _durable(role_prefix, own)
+    delete = () if own == ANY_ID else (f"{API}.CONSUMER.DELETE.{stream}.{durable}",)
+    return (*_pull(stream, durable, filter_subject), *delete)
+
+
 def _follow(stream: str) -> tuple[str, ...]:
     """An ordered push consumer on `stream` (nats-py recreates it after a gap; flow control answers on $JS.FC)."""
     return (f"{API}.STREAM.INFO.{stream}", f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>",
@@ -107,19 +117,19 @@ def _worker(g: _Grants, role: str, own: str) -> None:
                # replies sent to other processes' inboxes: peer-fetch data (to workers; it goes out on a second
                # connection, so allow_responses, which is per connection, cannot cover it) and state dumps
                *(f"_INBOX.{r}.>" for r in (*WORKER_ROLES, CACHE_INDEX)),
-               *_pull(streams.COMMANDS.name, _durable("cmd", own), f"{subjects.ROOT}.cmd.{own}"),
+               *_own_pull(streams.COMMANDS.name, "cmd", own, f"{subjects.ROOT}.cmd.{own}"),
                *_follow(streams.SESSIONS.name)),
           sub=(f"{subjects.ROOT}.abort.{own}", f"{subjects.ROOT}.kv.dump.{own}",
                f"{subjects.ROOT}.peer.{own}.fetch", f"{subjects.ROOT}.peer.{own}.credit"))
     if role == PREFILL:
         g.add(pub=(f"{subjects.ROOT}.handoff.*",
-                   *_pull(streams.JOBS.name, _durable("prefill", own), f"{subjects.ROOT}.jobs.prefill.{own}"),
+                   *_own_pull(streams.JOBS.name, "prefill", own, f"{subjects.ROOT}.jobs.prefill.{own}"),
                    *_pull(streams.JOBS.name, streams.PREFILL_ANY.durable, streams.PREFILL_ANY.filter_subject)))
     else:
         g.add(pub=(f"{subjects.ROOT}.dlq.{streams.HANDOFF.name}",
-                   *_pull(streams.JOBS.name, _durable("decode", own), f"{subjects.ROOT}.jobs.decode.{own}"),
+                   *_own_pull(streams.JOBS.name, "decode", own, f"{subjects.ROOT}.jobs.decode.{own}"),
                    *_pull(streams.JOBS.name, streams.DECODE_ANY.durable, streams.DECODE_ANY.filter_subject),
-                   *_pull(streams.HANDOFF.name, _durable("handoff", own), f"{subjects.ROOT}.handoff.{own}"),
+                   *_own_pull(streams.HANDOFF.name, "handoff", own, f"{subjects.ROOT}.handoff.{own}"),
                    *_pull(streams.HANDOFF.name, streams.HANDOFF_ANY.durable, streams.HANDOFF_ANY.filter_subject)))
 
 

@@ -4,10 +4,16 @@
 durable consumer and the `workers` bucket; it is idempotent and safe to run
 from several processes at once (the stack launcher runs it after NATS is up;
 tests run it per server). Per-worker consumers are declared by the consumer
-loop that uses them, through `declare_consumer`, with the same create-or-update.
+loop that uses them, through `declare_consumer`, with the same create-or-update;
+they carry an inactive threshold (the server deletes one nobody fetched from
+for that long) and their loop deletes them when its worker drains, so worker
+churn leaves no consumers (and, in a cluster, no Raft groups) behind.
 
 All streams use file storage (the server syncs every write: an acked message
 survives a crash) and a 2-minute duplicate window for `Nats-Msg-Id`.
+Token events are not stored: they travel on core NATS (`subjects.tokens`),
+and `declare_all` deletes the TOKENS stream earlier versions declared
+(`RETIRED_STREAMS`); see docs/serving-workers.md.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.protocol import subjects
 
@@ -76,8 +82,13 @@ class ConsumerSpec:
     max_ack_pending: int = 1000
     deliver_new_only: bool = False  # True: skip what was in the stream before the consumer existed
     handler_timeout_s: float = 300.0  # a hung handler counts as a failed attempt (client side only)
+    # Named after one worker: expires after `bus.worker_consumer_inactive_s` without fetches and is deleted
+    # when the worker drains. Only for work-queue streams, where a deleted consumer loses nothing: the
+    # messages stay in the stream for the next consumer of that subject (the same worker id, restarted).
+    per_worker: bool = False
 
-    def config(self) -> api.ConsumerConfig:
+    def config(self, inactive_threshold_s: float | None = None) -> api.ConsumerConfig:
+        """The server config; `inactive_threshold_s` (per-worker consumers only) is set from the bus settings."""
         return api.ConsumerConfig(
             name=self.durable,
             durable_name=self.durable,
@@ -87,6 +98,7 @@ class ConsumerSpec:
             max_deliver=self.max_deliver + 1,
             max_ack_pending=self.max_ack_pending,
             deliver_policy=api.DeliverPolicy.NEW if self.deliver_new_only else api.DeliverPolicy.ALL,
+            inactive_threshold=inactive_threshold_s if self.per_worker else None,
         )
 
 
@@ -139,8 +151,6 @@ JOBS = StreamSpec("JOBS", (subjects.JOBS_ALL,), 15 * MINUTE, 1 * GiB, 1 * MiB, w
                   description="ingress -> prefill/decode jobs")
 HANDOFF = StreamSpec("HANDOFF", (subjects.HANDOFF_ALL,), 15 * MINUTE, 1 * GiB, 4 * MiB, work_queue=True,
                      description="prefill -> decode KV block handles")
-TOKENS = StreamSpec("TOKENS", (subjects.TOKENS_ALL,), 10 * MINUTE, 1 * GiB, 256 * 1024,
-                    description="decode -> ingress token streams")
 KV_EVENTS = StreamSpec("KV_EVENTS", (subjects.KV_EVENTS_ALL,), 1 * DAY, 2 * GiB, 1 * MiB,
                        description="KV block stored/removed events for the cache index")
 COMMANDS = StreamSpec("COMMANDS", (subjects.COMMANDS_ALL,), 1 * HOUR, 256 * MiB, 1 * MiB, work_queue=True,
@@ -153,7 +163,11 @@ SESSIONS = StreamSpec("SESSIONS", (subjects.SESSION_EVENTS,), 1 * DAY, 256 * MiB
 # 10 req/s); past it the oldest go first (discard old), as past the 7 days.
 TRAFFIC = StreamSpec("TRAFFIC", (subjects.TRAFFIC_ALL,), 7 * DAY, 1 * GiB, 1 * MiB,
                      description="ingress -> trace record, live Belady, cost report: one record per finished request")
-ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, TOKENS, KV_EVENTS, COMMANDS, DEAD_LETTER, SESSIONS, TRAFFIC)
+ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, KV_EVENTS, COMMANDS, DEAD_LETTER, SESSIONS, TRAFFIC)
+# Streams earlier versions declared and this one deletes. TOKENS stored every token event (a disk write and
+# fsync each) that no one read back: the ingress takes them on core NATS, and a lost one is a seq gap it
+# recovers from by migration (shared/ingress/supervisor.py).
+RETIRED_STREAMS: tuple[str, ...] = ("TOKENS",)
 
 WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size=64 * 1024,
                      description="worker heartbeats, one key per worker id, expiring by TTL")
@@ -174,8 +188,11 @@ ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (PREFILL_ANY, DECODE_ANY, HANDOFF_ANY,
 
 
 def worker_consumer(stream: StreamSpec, role: str, worker_id: str, filter_subject: str) -> ConsumerSpec:
-    """The durable consumer of one worker on its own subject (e.g. jobs addressed to it)."""
-    return ConsumerSpec(stream.name, f"{subjects.token(role)}-{subjects.token(worker_id)}", filter_subject)
+    """The durable consumer of one worker on its own subject (e.g. jobs addressed to it); see `per_worker`."""
+    if not stream.work_queue:
+        raise ValueError(f"per-worker consumers expire and are deleted: {stream.name} must be a work queue")
+    return ConsumerSpec(stream.name, f"{subjects.token(role)}-{subjects.token(worker_id)}", filter_subject,
+                        per_worker=True)
 
 
 async def declare_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
@@ -188,15 +205,26 @@ async def declare_stream(js: JetStreamContext, config: api.StreamConfig) -> api.
     return await js.update_stream(config)
 
 
-async def declare_consumer(js: JetStreamContext, spec: ConsumerSpec) -> api.ConsumerInfo:
+async def declare_consumer(js: JetStreamContext, spec: ConsumerSpec,
+                           inactive_threshold_s: float | None = None) -> api.ConsumerInfo:
     """Create or update a durable consumer (the server's CONSUMER.CREATE does both since 2.10)."""
-    return await js.add_consumer(spec.stream, spec.config())
+    return await js.add_consumer(spec.stream, spec.config(inactive_threshold_s))
+
+
+async def retire_stream(js: JetStreamContext, name: str) -> bool:
+    """Delete stream `name` if it exists; True if it did."""
+    try:
+        return await js.delete_stream(name)
+    except NotFoundError:
+        return False
 
 
 async def declare_all(js: JetStreamContext, replicas: int = 1) -> None:
-    """Create or update all streams, shared consumers and KV buckets; idempotent."""
+    """Create or update all streams, shared consumers and KV buckets, delete retired streams; idempotent."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
+    for name in RETIRED_STREAMS:
+        await retire_stream(js, name)
     for stream in ALL_STREAMS:
         await declare_stream(js, stream.config(replicas))
     for bucket in ALL_BUCKETS:

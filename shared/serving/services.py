@@ -15,7 +15,9 @@ from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
 from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob
-from shared.protocol.streams import DECODE_ANY, HANDOFF, HANDOFF_ANY, JOBS, PREFILL_ANY, worker_consumer
+from shared.protocol.messages import Role
+from shared.protocol.streams import (DECODE_ANY, HANDOFF, HANDOFF_ANY, JOBS, PREFILL_ANY, ConsumerSpec,
+                                     worker_consumer)
 from shared.service.runner import ServiceContext
 from shared.serving.audit import CacheAudit
 from shared.serving.decode_worker import DecodeWorker
@@ -25,6 +27,19 @@ from shared.serving.runtime import WorkerRuntime, job_consumer
 from shared.serving.tier_metrics import CommandsCollector
 
 log = get_logger(__name__)
+
+
+def own_job_consumers(role: Role, worker_id: str) -> tuple[ConsumerSpec, ...]:
+    """The per-worker consumers of the work addressed to `worker_id` (besides its commands, `command_consumer`).
+
+    They expire when idle and are deleted at drain (`ConsumerSpec.per_worker`); the shared `any` queues stay.
+    """
+    if role is Role.PREFILL:
+        return (worker_consumer(JOBS, "prefill", worker_id, subjects.jobs_prefill(worker_id)),)
+    if role is Role.DECODE:
+        return (worker_consumer(HANDOFF, "handoff", worker_id, subjects.handoff(worker_id)),
+                worker_consumer(JOBS, "decode", worker_id, subjects.jobs_decode(worker_id)))
+    raise ValueError(f"{role} workers take no jobs")
 
 
 async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[AbortRequest], None]) -> None:
@@ -59,8 +74,7 @@ async def setup_prefill(ctx: ServiceContext) -> None:
     handler = typed(PrefillJob, worker.handle)
     # prefill stops whole requests only: an attempt-scoped abort is for the decode attempt a migration replaced
     await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id) if a.attempt is None else None)
-    own = worker_consumer(JOBS, "prefill", ctx.worker_id, subjects.jobs_prefill(ctx.worker_id))
-    for spec in (own, PREFILL_ANY):
+    for spec in (*own_job_consumers(Role.PREFILL, ctx.worker_id), PREFILL_ANY):
         ctx.add_consumer(job_consumer(spec), handler)
 
 
@@ -72,11 +86,5 @@ async def setup_decode(ctx: ServiceContext) -> None:
     worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)
     handler = typed(DecodeJob, worker.handle)
     await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id, a.attempt))
-    specs = (
-        worker_consumer(HANDOFF, "handoff", ctx.worker_id, subjects.handoff(ctx.worker_id)),
-        worker_consumer(JOBS, "decode", ctx.worker_id, subjects.jobs_decode(ctx.worker_id)),
-        HANDOFF_ANY,
-        DECODE_ANY,
-    )
-    for spec in specs:
+    for spec in (*own_job_consumers(Role.DECODE, ctx.worker_id), HANDOFF_ANY, DECODE_ANY):
         ctx.add_consumer(job_consumer(spec), handler)
