@@ -150,7 +150,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
                    subjects.INDEX_LOOKUP, subjects.EVICTION_PIN,
                    f"$KV.{subjects.NAMED_CACHES_BUCKET}.>", f"$KV.{subjects.RESPONSES_BUCKET}.>",
                    *_read_bucket(streams.NAMED_CACHES), *_read_bucket(streams.RESPONSES)),
-              sub=(subjects.TOKENS_ALL,))  # core subscriptions to the token stream's subjects
+              sub=(subjects.TOKENS_ALL,))  # token events: core NATS, no stream
     elif role == CACHE_INDEX:
         obj = f"OBJ_{subjects.INDEX_SNAPSHOT_BUCKET}"
         g.add(pub=(f"{subjects.ROOT}.kv.dump.*", *_follow(streams.KV_EVENTS.name),

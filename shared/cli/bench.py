@@ -179,3 +179,14 @@ def live_belady(
 
     typer.echo(json.dumps(run_live_belady_bench(LiveBeladyBenchConfig(rate=rate, records=records)),
                           indent=None if json_out else 2))
+
+
+@app.command("token-events")
+def token_events(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object.")] = False,
+    tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per configuration.")] = 2000,
+) -> None:
+    """NATS disk writes per generated token: token events in a file stream (before), a memory stream, core NATS (now)."""
+    from bench.token_events import TokenEventsBenchConfig, run_token_events_bench
+
+    typer.echo(json.dumps(run_token_events_bench(TokenEventsBenchConfig(tokens=tokens)), indent=None if json_out else 2))

@@ -5,7 +5,7 @@ Layout (`<x>` is one token: no dots, spaces or wildcards):
     kvmesh.jobs.prefill.<worker>|any    ingress -> prefill        (stream JOBS, work queue)
     kvmesh.jobs.decode.<worker>|any     ingress -> decode         (stream JOBS, work queue)
     kvmesh.handoff.<decode worker>      prefill -> decode: KV block handles + first token (stream HANDOFF)
-    kvmesh.tokens.<request>             decode -> ingress: streamed tokens (stream TOKENS)
+    kvmesh.tokens.<request>             decode -> ingress: streamed tokens (core NATS, no stream)
     kvmesh.abort.<worker>               ingress -> prefill/decode: stop a request (core NATS, AbortRequest)
     kvmesh.kv.events.<worker>           any worker -> cache-index: BlockStored/BlockRemoved/... (stream KV_EVENTS)
     kvmesh.kv.dump.<worker>             cache-index -> a worker: send your whole L1/L2 state (request, chunked reply)

@@ -1,13 +1,13 @@
 """A request's output on `subjects.tokens(request_id)`, published in order.
 
-Events go out on core NATS (the TOKENS stream still stores them, deduplicated
-by message id) without waiting for the stream's ack. Whatever piles up while
+Events go out on core NATS only (no stream stores them: that cost a disk write
+and fsync per event; `kvmesh bench token-events`). Whatever piles up while
 one publish is in flight goes out as the next event (several
 tokens, `seq` of the first), so the stream never falls behind the engine
 and events stay in seq order. `finish` publishes what is left as the final
-event. Message ids are (request, attempt, seq, count, final): a retried
-publish is dropped by the stream; a redelivered job that runs again sends
-the same ids for the same tokens. Once `fenced()` says the attempt was
+event. Events carry (request, attempt, seq, count, final) as their message
+id; the ingress drops repeats by attempt and seq, so a redelivered job that
+runs again (same ids, same tokens) adds nothing. Once `fenced()` says the attempt was
 replaced or aborted, the stream publishes nothing more (not even a final
 event): a worker resumed after a pause may hold tokens its engine made
 before it read the abort.
@@ -33,8 +33,8 @@ def _never() -> bool:
 
 
 async def publish_event(publisher: Publisher, ev: TokenEvent) -> None:
-    # Not waiting for the TOKENS stream's ack (an fsync per event): the ingress already orders by seq,
-    # drops duplicates and times a silent worker out, so a lost event costs a retry, never a wrong answer.
+    # Core NATS, no stream: the ingress orders by seq, drops duplicates and times a silent worker out
+    # (a lost event is a gap it never delivers past), so a lost event costs a migration, never a wrong answer.
     await publisher.send(subjects.tokens(ev.request_id), ev, msg_id=event_msg_id(ev))
 
 
