@@ -50,6 +50,7 @@ class FuzzConfig:
 class FuzzReport:
     examples: int = 0
     server_errors: int = 0  # responses >= 500
+    timeouts: int = 0  # no response within FuzzConfig.timeout_s (a request the stack never finished)
     bad_error_bodies: int = 0  # 4xx/5xx bodies not in the dialect's error format
     operations: dict[str, int] = field(default_factory=dict)  # "POST /v1/messages" -> examples sent
     statuses: dict[str, int] = field(default_factory=dict)  # "400" -> count
@@ -85,15 +86,16 @@ def aim(body: Any, model: str) -> Any:
     return body
 
 
-def _record(report: FuzzReport, case: Any, status: int, content: bytes) -> None:
+def _record(report: FuzzReport, case: Any, status: int | None, content: bytes) -> None:
+    """Count one exchange; `status` None: it timed out."""
     report.examples += 1
     report.statuses[str(status)] = report.statuses.get(str(status), 0) + 1
-    problem = error_problem(case.path, status, content) if status >= 400 else None
-    if status >= 500:
+    problem = error_problem(case.path, status, content) if status and status >= 400 else None
+    if status and status >= 500:
         report.server_errors += 1
     if problem is not None:
         report.bad_error_bodies += 1
-    if (status >= 500 or problem) and len(report.failures) < 10:
+    if (status is None or status >= 500 or problem) and len(report.failures) < 10:
         # the request as sent, not schemathesis's curl line: that one masks fields named like secrets (max_tokens)
         sent = json.dumps(case.body, default=str)[:2000] if isinstance(case.body, dict | list) else repr(case.body)
         report.failures.append({"status": status, "problem": problem, "request": f"{case.method} {case.formatted_path}",
@@ -102,6 +104,7 @@ def _record(report: FuzzReport, case: Any, status: int, content: bytes) -> None:
 
 def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:
     """Fuzz every operation of the ingress at `base_url` with API key `key`; see the module docstring."""
+    import requests  # what schemathesis sends with
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings, strategies as st
     from hypothesis import seed as seeded
@@ -125,8 +128,13 @@ def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:
                 # schemathesis fills the security schemes' headers with made-up keys: the valid one replaces them
                 headers = {k: v for k, v in (case.headers or {}).items() if k.lower() not in AUTH_HEADERS}
                 case.headers = {**headers, **auth}
-                response = case.call(base_url=base_url, timeout=cfg.timeout_s)
                 report.operations[label] = report.operations.get(label, 0) + 1
+                try:
+                    response = case.call(base_url=base_url, timeout=cfg.timeout_s)
+                except requests.Timeout:
+                    report.timeouts += 1
+                    _record(report, case, None, b"")
+                    return
                 _record(report, case, response.status_code, response.content)
 
             try:
@@ -183,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         with own_stack(say) as (url, key):
             report = fuzz(url, key, cfg)
     print(json.dumps({"config": asdict(cfg), **asdict(report), "status_classes": _classes(report.statuses)}))
-    return 1 if report.server_errors or report.bad_error_bodies else 0
+    return 1 if report.server_errors or report.bad_error_bodies or report.timeouts else 0
 
 
 def _classes(statuses: dict[str, int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for status, n in statuses.items():
-        out[status[0] + "xx"] = out.get(status[0] + "xx", 0) + n
+        cls = "timeout" if status == "None" else status[0] + "xx"
+        out[cls] = out.get(cls, 0) + n
     return out
 
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -85,6 +88,7 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs = torch.softmax(sorted_logits, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
     drop_sorted = before >= p
+    drop_sorted[..., 0] = False  # also when p rounds to 0 in the logits' dtype (a subnormal top_p)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -93,7 +97,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """One token from one row of logits [vocab] under `params`."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
+    # a temperature near 0 would scale logits to inf (nan probabilities); below MIN_TEMPERATURE it is as sharp
+    scaled = logits.float() / max(params.temperature, MIN_TEMPERATURE)
     scaled = apply_top_p(apply_top_k(scaled, params.top_k), params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

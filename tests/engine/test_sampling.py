@@ -30,6 +30,14 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     assert kept(1.0) == [True, True, True, True]
 
 
+def test_extreme_but_valid_params_still_sample() -> None:
+    """Found by fuzzing the ingress: a subnormal top_p (0 in float32) or temperature made every probability nan."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    for params in (SamplingParams(temperature=1.0, top_p=5e-324, seed=1),
+                   SamplingParams(temperature=5e-324, seed=1), SamplingParams(temperature=1e-300, top_p=1e-300)):
+        assert sample(logits, [params], [make_generator(params)]) == logits.argmax(-1).tolist()
+
+
 def test_sampling_respects_top_k() -> None:
     logits = torch.zeros(1, 50)
     logits[0, 7] = 1.0
