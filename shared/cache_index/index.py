@@ -23,6 +23,7 @@ lookup, so a lookup does not walk the worker table.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
@@ -103,6 +104,11 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self.masks)
+
+    def nbytes(self) -> int:
+        """Bytes the map itself holds: its dict table, its key ints and the distinct mask ints."""
+        size = sys.getsizeof
+        return size(self.masks) + sum(map(size, self.masks)) + size(self._canon) + sum(map(size, self._canon))
 
     # --- workers -------------------------------------------------------
 
@@ -212,7 +218,10 @@ class BlockIndex:
     def lookup(self, keys: Sequence[int]) -> LookupResult:
         """Per worker, the leading blocks of `keys` it holds (any of L1/L2) and their tier runs."""
         masks = self.masks
-        alive, prev_l1 = self._l1_bits, 0
+        # Only the holders of the first block can match at all: starting from them (not from every
+        # slot) keeps a lookup's cost independent of the fleet's size.
+        first = masks.get(keys[0], 0) if keys else 0
+        alive, prev_l1 = (first | (first >> 1)) & self._l1_bits, 0
         l3_blocks = -1
         start: dict[int, int] = {}  # slot L1 bit -> index where its current run began
         runs: dict[int, list[TierRunResult]] = {}
