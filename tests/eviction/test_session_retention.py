@@ -146,3 +146,38 @@ def test_session_pins_never_exceed_the_budget(turns) -> None:
         for w in ("w1", "w2"):
             assert p.pinned_blocks(w, now) <= p.pin_budget
         assert all(n > 0 for n in p.claims.values())
+
+
+def started(session: str, request_id: str, at: float, chain: list[bytes] | None = None) -> SessionEvent:
+    """The ingress admitted `request_id`, a turn of `session` (it names the prompt's last block, not yet known)."""
+    return SessionEvent(tenant="t", tenant_salt="ab" * 16, session_id=session, request_id=request_id,
+                        outcome=TurnOutcome.STARTED, last_hash=block("new-tail").hex(), chain_blocks=9,
+                        started_at=at, at=at)
+
+
+def test_an_admitted_turn_is_in_use_and_held_ahead_of_sessions_away() -> None:
+    p = planner()
+    a = chain_in(p.view, "w1", [f"a{i}" for i in range(30)])
+    b = chain_in(p.view, "w1", [f"b{i}" for i in range(30)])
+    p.on_event(event("b", b, TurnOutcome.TOOL_CALLS, T0, hint_s=5.0, tools=("bash",)), T0)  # pinned: back soon
+    p.on_event(event("a", a, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)  # away for long: not pinned
+    assert not p.in_turn("t", "a")
+    # Its next turn is admitted long before any worker takes the job: in use from then on, and held.
+    [hold] = p.on_event(started("a", "r-a-2", T0 + 30), T0 + 30)
+    assert isinstance(hold.command, Retain) and [bytes.fromhex(h) for h in hold.command.hashes] == a
+    assert hold.command.until == T0 + 30 + RULES.in_use_hold_s
+    assert p.in_turn("t", "a")
+    assert p.book.next_use(a[0], T0) == T0 + 30  # in use since admission, however long its queue
+    # Its end event closes the turn without counting a second start.
+    p.on_event(event("a", a, TurnOutcome.TOOL_CALLS, T0 + 90, started=T0 + 30, tools=("bash",)).model_copy(
+        update={"request_id": "r-a-2"}), T0 + 90)
+    assert not p.in_turn("t", "a")
+
+
+def test_a_start_delivered_after_its_own_end_is_ignored() -> None:
+    p = planner()
+    a = chain_in(p.view, "w1", ["s0", "s1"])
+    end = event("a", a, TurnOutcome.TOOL_CALLS, T0 + 5, started=T0, tools=("bash",))
+    p.on_event(end, T0 + 5)
+    assert p.on_event(started("a", end.request_id, T0), T0 + 6) == []
+    assert not p.in_turn("t", "a")
