@@ -190,3 +190,18 @@ def token_events(
     from bench.token_events import TokenEventsBenchConfig, run_token_events_bench
 
     typer.echo(json.dumps(run_token_events_bench(TokenEventsBenchConfig(tokens=tokens)), indent=None if json_out else 2))
+
+
+@app.command("l3-gc")
+def l3_gc(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    objects: Annotated[str, typer.Option(help="Comma-separated bucket sizes, filled in turn.")] = "10000,100000",
+    keys_per_pass: Annotated[int, typer.Option(min=1, help="Keys one listing-only pass covers.")] = 100_000,
+    old_max_objects: Annotated[int, typer.Option(help="Largest size the old HEAD-per-object pass runs at.")] = 100_000,
+) -> None:
+    """One L3 GC pass on a generated weed bucket: a HEAD per object (old) vs listing-only slices (requests, s, RSS)."""
+    from bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
+
+    cfg = L3GCBenchConfig(objects=tuple(int(n) for n in objects.split(",") if n.strip()), keys_per_pass=keys_per_pass,
+                          old_max_objects=old_max_objects)
+    typer.echo(json.dumps(run_l3_gc_bench(cfg), indent=None if json_out else 2))
