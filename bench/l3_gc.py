@@ -80,7 +80,7 @@ def run_l3_gc_bench(cfg: L3GCBenchConfig) -> dict:
                 run["old"] = (_child("old", creds, now, cfg.keys_per_pass, 1) if n <= cfg.old_max_objects
                               else _extrapolate(runs, n))
                 runs.append(run)
-            deletes = _deletes(client, cfg.expired)
+            deletes = _deletes(client, cfg)
         finally:
             server.stop()
     return {"config": asdict(cfg), "fill_objects_per_s": round(written / fill_s, 1), "runs": runs,
@@ -163,11 +163,11 @@ def _maxrss_mb() -> float:
 
 # --- deletes, extrapolation, ratios -------------------------------------------
 
-def _deletes(client, expired: int) -> dict:
+def _deletes(client, cfg: L3GCBenchConfig) -> dict:
     """Delete the expired objects: half one request per key (old), half in DeleteObjects batches (new)."""
     from minio.deleteobjects import DeleteObject
 
-    keys = [_key(i, f"t-{i % 16}") for i in range(expired)]
+    keys = [_key(i, f"t-{i % cfg.namespaces}") for i in range(cfg.expired)]
     half = len(keys) // 2
     client.reset()
     t0 = time.perf_counter()
@@ -177,8 +177,19 @@ def _deletes(client, expired: int) -> dict:
     t0 = time.perf_counter()
     errors = list(client.remove_objects(BUCKET, (DeleteObject(k) for k in keys[half:])))
     new_s, new_req = time.perf_counter() - t0, sum(client.reset().values())
-    return {"keys_each": half, "old": {"requests": old_req, "seconds": round(old_s, 3)},
+    left = sum(1 for k in keys if _exists(client, k))
+    return {"keys_each": half, "left": left, "old": {"requests": old_req, "seconds": round(old_s, 3)},
             "new": {"requests": new_req, "seconds": round(new_s, 3), "errors": len(errors)}}
+
+
+def _exists(client, key: str) -> bool:
+    from minio.error import S3Error
+
+    try:
+        client.stat_object(BUCKET, key)
+    except S3Error:
+        return False
+    return True
 
 
 def _extrapolate(runs: list[dict], n: int) -> dict:
