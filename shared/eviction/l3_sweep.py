@@ -59,12 +59,13 @@ class L3Sweep:
     _own_ttl: dict[str, tuple[float, float, int, int]] = field(default_factory=dict)  # key -> lm, ttl, blocks, cycle
 
     def next_slice(self) -> Slice:
-        """The next slice's objects as listed (TTL: the store's default; blocks: unknown, 0)."""
+        """The next slice's objects as listed (TTL: the store's default; blocks: unknown, 0).
+
+        The cursor moves on in `finish`: a pass that fails before it takes the same slice again.
+        """
         objects = list(list_chunks(self.store, self.cursor, self.keys_per_pass))
         wrapped = self.keys_per_pass is None or len(objects) < self.keys_per_pass
-        part = Slice(objects, self.cursor, objects[-1].key if objects else "", wrapped)
-        self.cursor = "" if wrapped else part.last
-        return part
+        return Slice(objects, self.cursor, objects[-1].key if objects else "", wrapped)
 
     def confirm(self, objects: list[L3Object], now: float) -> list[L3Object]:
         """The slice with each default-TTL candidate's own TTL and block count (a HEAD each, once);
@@ -87,7 +88,9 @@ class L3Sweep:
         return out
 
     def finish(self, part: Slice, kept: list[L3Object]) -> None:
-        """Count what the pass left; at the bucket's end the cycle's counts become `totals`."""
+        """Move past the slice and count what the pass left; at the bucket's end the cycle's counts
+        become `totals`."""
+        self.cursor = "" if part.wrapped else part.last
         for obj in kept:
             self._counting.add(obj)
         if part.wrapped:

@@ -101,12 +101,17 @@ def test_slices_cover_the_bucket_over_k_passes_each_bounded(s3_server):
     keys = _write(worker, "t-s", seed=5, n=10)  # 10 objects, one block each
     gc = _gc_store(s3_server, worker)
     sweep = L3Sweep(gc, keys_per_pass=3)
+    unfinished = sweep.next_slice()  # a pass that failed before `finish`: the next one takes the same slice
+    assert [o.key for o in sweep.next_slice().objects] == [o.key for o in unfinished.objects]
     seen: list[str] = []
-    parts = [sweep.next_slice() for _ in range(4)]
-    for part in parts:
+    parts = []
+    for _ in range(4):
+        part = sweep.next_slice()
         assert len(part.objects) <= 3
         seen += [o.key for o in part.objects]
         sweep.finish(part, part.objects)
+        parts.append(part)
+    assert sweep.next_slice().objects == parts[0].objects  # wrapped: the next pass starts over
     assert [p.wrapped for p in parts] == [False, False, False, True]
     assert sorted(seen) == sorted(keys) and len(seen) == len(set(seen))
     assert sweep.totals == BucketTotals({"t-s": sum(o.size for p in parts for o in p.objects)}, 10)
