@@ -16,7 +16,9 @@ says so when its turn ends (shared/sessions/events.py). For each
    - back within `pin_horizon_s` (a tool call): `Retain` the chain in the
      worker's L1 until the predictor's deadline (a high quantile of the gap,
      so the pin outlives most tool runs) plus `pin_margin_s`, within the
-     session pin budget (`pin_fraction` of the worker's L1); past the budget
+     session pin budget (`pin_fraction` of the worker's L1, in which the
+     chains of turns admitted on that worker count first: their prefills
+     need the room now); past the budget
      the pins of the sessions expected back after it give way (latest
      first), or it is not pinned now and tried again as a prefetch;
    - back later (an answer, a person reading): no pin, so the blocks go down
@@ -242,15 +244,22 @@ class SessionRetention:
 
     def _make_room(self, session: TrackedSession, now: float) -> bool:
         """Fit `session`'s chain in its worker's pin budget (distinct blocks: what its sessions share
-        counts once), unpinning the sessions expected back after it, latest first."""
+        counts once), unpinning the sessions expected back after it, latest first.
+
+        The chains of the other sessions whose turn was admitted on that worker count against the
+        budget whether pinned or not: their prefills need that room now, so a pin for a session that
+        is away never takes it from them (a pin holds a reference no prefill can evict around)."""
         if len(set(session.chain)) > self.pin_budget:
             return False
-        pinned = sorted((s for s in self.sessions.values()
-                         if s.worker == session.worker and s.pinned_until > now and s is not session),
-                        key=lambda s: s.expected_at)
+        mine = [s for s in self.sessions.values() if s.worker == session.worker and s is not session]
+        # admitted within the hold (a turn whose end event was lost stops counting then)
+        admitted = [s for s in mine if s.started_request and now < s.expected_at + self.settings.in_use_hold_s]
+        busy: set[bytes] = set(session.chain).union(*(s.chain for s in admitted))
+        held = {id(s) for s in admitted}
+        pinned = sorted((s for s in mine if s.pinned_until > now and id(s) not in held), key=lambda s: s.expected_at)
 
         def used(kept: list[TrackedSession]) -> int:
-            return len(set(session.chain).union(*(s.chain for s in kept)))
+            return len(busy.union(*(s.chain for s in kept)))
 
         while pinned and used(pinned) > self.pin_budget and pinned[-1].expected_at > session.expected_at:
             # Its pin on the worker lapses at its own time (pins only extend); the engine's pin

@@ -181,3 +181,19 @@ def test_a_start_delivered_after_its_own_end_is_ignored() -> None:
     p.on_event(end, T0 + 5)
     assert p.on_event(started("a", end.request_id, T0), T0 + 6) == []
     assert not p.in_turn("t", "a")
+
+
+def test_an_away_session_is_not_pinned_into_the_room_an_admitted_turn_needs() -> None:
+    p = planner()  # budget: 40 blocks of w1's L1
+    busy = chain_in(p.view, "w1", [f"q{i}" for i in range(30)])
+    away = chain_in(p.view, "w1", [f"t{i}" for i in range(20)])
+    p.on_event(event("q", busy, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)  # away: not pinned
+    p.on_event(started("q", "r-q-2", T0 + 1), T0 + 1)  # admitted: its 30 blocks are what its prefill needs
+    # A tool call that fits the budget alone (20 <= 40) but not beside the admitted turn (50 > 40).
+    assert p.on_event(event("t", away, TurnOutcome.TOOL_CALLS, T0 + 2, hint_s=3.0, tools=("bash",)), T0 + 2) == []
+    assert p.counts.budget_refusals == 1
+    # Once that turn has ended, the same call is pinned.
+    p.on_event(event("q", busy, TurnOutcome.ANSWER, T0 + 3, hint_s=600.0).model_copy(
+        update={"request_id": "r-q-2"}), T0 + 3)
+    [cmd] = p.on_event(event("t", away, TurnOutcome.TOOL_CALLS, T0 + 4, hint_s=3.0, tools=("bash",)), T0 + 4)
+    assert isinstance(cmd.command, Retain)
