@@ -130,8 +130,7 @@ async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server
     for name, blocks in (("cold", cold), ("hot", hot)):
         handles = store.put_chain("shared", [encode_kv_block(kb, fp) for kb in blocks])
         keys[name] = [h.object_key for h in handles][1::2]  # one key per chunk of 2
-    # The service's store has the deployment's TTL (tiers.l3_ttl_s), the one the workers wrote with.
-    gc_view = L3Store(store.client, store.bucket, fingerprint="", ttl_s=1)  # the service GCs every model's chunks
+    gc_view = L3Store(store.client, store.bucket, fingerprint="")  # the service GCs every model's chunks
     newcomer, busy = unique("w"), unique("w")
     async with service(url, l1_capacity=1000, l3=gc_view) as svc, connected(url, "test") as nc:
         async with worker_events(url, busy) as pub:
