@@ -1,0 +1,45 @@
+"""`kvmesh bench fleet` end to end on a tiny fleet: real nats-server, index, eviction and router processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from shared.cli.main import app
+
+
+def _tiny_trace(path: Path) -> Path:
+    """Twelve requests, two conversations growing turn by turn (shared leading ids), 0.2 s apart."""
+    lines = []
+    for i in range(12):
+        conv, turn = i % 2, i // 2
+        ids = [conv * 1000 + j for j in range(4 + 2 * turn)]
+        lines.append(json.dumps({"timestamp": 200 * i, "input_length": 512 * len(ids), "output_length": 8,
+                                 "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bench_fleet_small_runs_and_reports(tmp_path):
+    trace = _tiny_trace(tmp_path / "trace.jsonl")
+    result = CliRunner().invoke(app, ["bench", "fleet", "--json", "--workers", "5,20", "--trace", str(trace),
+                                      "--speed", "4", "--lookup-rate", "10", "--l1-blocks", "16", "--churn", "10"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [r["workers"] for r in out["rows"]] == [5, 20]
+    assert out["config"]["requests"] == 12
+    for row in out["rows"]:
+        assert row["lookup_p99_ms"] > 0 and row["lookup_failures"] == 0
+        assert row["lookup_nats"]["n"] >= 12 and row["routing_decision"]["p99_ms"] > 0
+        assert row["index_blocks"] > 0 and row["index_mb_per_1m_blocks"] > 0
+        assert row["index_ingest_events_per_s"] > 0 and row["ingest_keeps_up_10x"] in (True, False)
+        assert row["replay_lag"]["drain_after_replay_s"] is not None
+        advice = row["eviction_advice"]
+        assert advice["missed"] == 0 and advice["n"] == min(row["workers"], 12) and advice["p50_ms"] > 0
+        assert row["nats"]["per_worker_consumers"] == row["workers"]  # one command consumer each
+        assert row["nats"]["streams"] > 0 and row["nats"]["consumers"] >= row["workers"]
+        assert row["churn"]["started"] == 10
+        assert row["consumers_left_after_churn"] == 0
+    assert out["growth"]["workers"] == 4.0 and "lookup_p99_ms" in out["growth"]
