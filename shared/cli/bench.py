@@ -111,8 +111,18 @@ def index(
     blocks: Annotated[int, typer.Option(help="Blocks indexed (chains over 8 workers' L1/L2, some L3).")] = 1_000_000,
     lookups: Annotated[int, typer.Option(help="Lookup queries per measurement.")] = 2000,
     chain: Annotated[int, typer.Option(help="Blocks per context chain = blocks per lookup query.")] = 128,
+    scale: Annotated[str, typer.Option(help="Comma-separated index sizes (e.g. 1000000,3000000,10000000): memory, "
+                                            "lookups/s per core and snapshot per size, instead of the default run.")] = "",
+    scale_workers: Annotated[int, typer.Option(help="With --scale: workers the blocks spread over.")] = 1000,
 ) -> None:
     """Cache index: lookup p50/p99 in-process vs over NATS, ingest rate, restart (snapshot + replay) to ready."""
+    if scale:
+        from bench.index_scale import ScaleConfig, run_index_scale
+
+        sizes = tuple(int(b) for b in scale.split(",") if b.strip())
+        result = run_index_scale(ScaleConfig(sizes=sizes, workers=scale_workers, chain=chain, lookups=lookups))
+        typer.echo(json.dumps(result, indent=None if json_out else 2))
+        return
     from bench.index import IndexBenchConfig, run_index_bench
 
     result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups, chain=chain))
@@ -179,6 +189,28 @@ def live_belady(
 
     typer.echo(json.dumps(run_live_belady_bench(LiveBeladyBenchConfig(rate=rate, records=records)),
                           indent=None if json_out else 2))
+
+
+@app.command()
+def fleet(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    workers: Annotated[str, typer.Option(help="Comma-separated fleet sizes, each run on its own nats-server.")] = "100,1000",
+    trace: Annotated[Path | None, typer.Option(help="Mooncake JSONL trace; default: ../shared/workloads.")] = None,
+    requests: Annotated[int, typer.Option(min=2, help="Trace prefix replayed per fleet size.")] = 400,
+    speed: Annotated[float, typer.Option(min=0.1, help="Replay at this multiple of the trace's timestamps.")] = 10.0,
+    lookup_rate: Annotated[float, typer.Option(min=0.0, help="Extra lookup + routing probes per second.")] = 50.0,
+    l1_blocks: Annotated[int, typer.Option(min=8, help="Each emulated worker's L1 capacity in blocks.")] = 256,
+    churn: Annotated[int, typer.Option(min=0, help="Worker ids started and stopped (consumers left after).")] = 200,
+    heartbeat_s: Annotated[float, typer.Option(min=0.2, help="Emulated workers' heartbeat interval.")] = 1.0,
+    fetch_timeout_s: Annotated[float, typer.Option(min=0.1, help="Emulated workers' idle consumer poll.")] = 1.0,
+) -> None:
+    """N emulated workers' heartbeats, KV events and commands vs the real index, eviction and router."""
+    from bench.fleet import DEFAULT_TRACE, FleetBenchConfig, run_fleet_bench
+
+    cfg = FleetBenchConfig(workers=tuple(int(w) for w in workers.split(",") if w.strip()), trace=trace or DEFAULT_TRACE,
+                           requests=requests, speed=speed, lookup_rate=lookup_rate, l1_blocks=l1_blocks, churn=churn,
+                           heartbeat_s=heartbeat_s, fetch_timeout_s=fetch_timeout_s)
+    typer.echo(json.dumps(run_fleet_bench(cfg), indent=None if json_out else 2))
 
 
 @app.command("token-events")
