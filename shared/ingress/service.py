@@ -101,7 +101,8 @@ async def setup(ctx: ServiceContext) -> None:
     watch = asyncio.create_task(table.run(ctx.js))
     metrics = IngressMetrics.create(ctx.metrics.registry)
     locator = await _prefix_locator(ctx, model_dir)
-    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator)
+    gateway = Gateway(ctx.nc, ctx.publisher, table, settings.ingress, tokenizer.decode, metrics.retries.inc, locator,
+                      on_stale_event=metrics.stale_events.inc)
     state = build_state(settings, gateway, tokenizer, metrics, model_dir, secret)
     traffic = state.sessions.traffic = TrafficRecorder(ctx.publisher, ctx.worker_id, ctx.metrics.registry)
     app = create_app(state)  # metrics stay on the runner's side port (service.http_port), off the public API
