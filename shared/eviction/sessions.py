@@ -31,9 +31,10 @@ says so when its turn ends (shared/sessions/events.py). For each
 A ``started`` event (the ingress admitted the session's next turn) marks
 the session in use before its job is queued: the book ranks it as in use,
 so the advisor does not demote a session that waits in a queue past its
-predicted return, and its chain is held (`in_use_hold_s`, within the pin
-budget, ahead of every session that is away) until the turn's end event
-plans anew.
+predicted return; with `in_use_hold_s` > 0 its chain is also pinned that
+long (within the pin budget, ahead of every session that is away) until the
+turn's end event plans anew. Off by default: pins are references no prefill
+can evict around, and holds for every queued turn stalled admissions live.
 
 Late and wasted prefetches are counted: late when the session came back
 before its prefetch was sent, wasted when its pin lapsed unused. Everything
@@ -252,8 +253,8 @@ class SessionRetention:
         if len(set(session.chain)) > self.pin_budget:
             return False
         mine = [s for s in self.sessions.values() if s.worker == session.worker and s is not session]
-        # admitted within the hold (a turn whose end event was lost stops counting then)
-        admitted = [s for s in mine if s.started_request and now < s.expected_at + self.settings.in_use_hold_s]
+        # admitted within the horizon (a turn whose end event was lost stops counting then)
+        admitted = [s for s in mine if s.started_request and now < s.expected_at + self.settings.pin_horizon_s]
         busy: set[bytes] = set(session.chain).union(*(s.chain for s in admitted))
         held = {id(s) for s in admitted}
         pinned = sorted((s for s in mine if s.pinned_until > now and id(s) not in held), key=lambda s: s.expected_at)

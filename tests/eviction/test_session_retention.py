@@ -156,7 +156,7 @@ def started(session: str, request_id: str, at: float, chain: list[bytes] | None 
 
 
 def test_an_admitted_turn_is_in_use_and_held_ahead_of_sessions_away() -> None:
-    p = planner()
+    p = SessionRetention(OccupancyView(), SessionBook(), RULES.model_copy(update={"in_use_hold_s": 30.0}), L1)
     a = chain_in(p.view, "w1", [f"a{i}" for i in range(30)])
     b = chain_in(p.view, "w1", [f"b{i}" for i in range(30)])
     p.on_event(event("b", b, TurnOutcome.TOOL_CALLS, T0, hint_s=5.0, tools=("bash",)), T0)  # pinned: back soon
@@ -165,7 +165,7 @@ def test_an_admitted_turn_is_in_use_and_held_ahead_of_sessions_away() -> None:
     # Its next turn is admitted long before any worker takes the job: in use from then on, and held.
     [hold] = p.on_event(started("a", "r-a-2", T0 + 30), T0 + 30)
     assert isinstance(hold.command, Retain) and [bytes.fromhex(h) for h in hold.command.hashes] == a
-    assert hold.command.until == T0 + 30 + RULES.in_use_hold_s
+    assert hold.command.until == T0 + 30 + p.settings.in_use_hold_s
     assert p.in_turn("t", "a")
     assert p.book.next_use(a[0], T0) == T0 + 30  # in use since admission, however long its queue
     # Its end event closes the turn without counting a second start.
@@ -184,11 +184,11 @@ def test_a_start_delivered_after_its_own_end_is_ignored() -> None:
 
 
 def test_an_away_session_is_not_pinned_into_the_room_an_admitted_turn_needs() -> None:
-    p = planner()  # budget: 40 blocks of w1's L1
+    p = planner()  # budget: 40 blocks of w1's L1; admitted turns are not pinned (in_use_hold_s 0)
     busy = chain_in(p.view, "w1", [f"q{i}" for i in range(30)])
     away = chain_in(p.view, "w1", [f"t{i}" for i in range(20)])
     p.on_event(event("q", busy, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)  # away: not pinned
-    p.on_event(started("q", "r-q-2", T0 + 1), T0 + 1)  # admitted: its 30 blocks are what its prefill needs
+    assert p.on_event(started("q", "r-q-2", T0 + 1), T0 + 1) == []  # admitted: its prefill needs its 30 blocks
     # A tool call that fits the budget alone (20 <= 40) but not beside the admitted turn (50 > 40).
     assert p.on_event(event("t", away, TurnOutcome.TOOL_CALLS, T0 + 2, hint_s=3.0, tools=("bash",)), T0 + 2) == []
     assert p.counts.budget_refusals == 1
