@@ -155,6 +155,8 @@ class LiveBeladySettings(BaseModel):
     window_s: float = Field(default=3600.0, gt=0.0)  # and none older than this
     period_s: float = Field(default=120.0, gt=0.0)  # seconds between recomputes, at least
     max_cpu_share: float = Field(default=0.02, gt=0.0, le=1.0)  # recompute's share of one core; stretches the period
+    # What-if: the bound at this fleet L1 (blocks) instead of the live prefill workers' pools from their heartbeats
+    capacity_blocks: int | None = Field(default=None, ge=1)
 
 
 class EvictionSettings(BaseModel):

@@ -14,8 +14,8 @@ fleet's L1 capacity. It exports the gauges
     kvmesh_cache_belady_window_accesses / _capacity_blocks
 
 Pooled, not per worker: the capacity is the sum of the live prefill workers'
-L1 pools (each `eviction.l1_capacity_blocks`, else `engine.num_blocks`;
-heartbeats do not carry it) and Belady runs once over the fleet's accesses.
+L1 pools (each as its heartbeat states, else `eviction.l1_capacity_blocks`,
+else `engine.num_blocks`) and Belady runs once over the fleet's accesses.
 That is the bound a perfect router plus a perfect eviction policy could
 reach, so the gap includes placement (a prefix cached on another worker is
 a miss for this one) as well as eviction; a per-worker bound would hide
@@ -120,7 +120,7 @@ class LiveBelady:
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.time) -> None:
         self.js, self.settings, self.worker_blocks, self.clock = js, settings, worker_blocks, clock
         self.window = AccessWindow(settings.window_accesses, settings.window_s)
-        self.prefill: set[str] = set()
+        self.prefill: dict[str, int] = {}  # live prefill worker -> its L1 blocks (heartbeat, else settings)
         self.latest: LiveBeladyResult | None = None
         self.skipped = 0
         self._gauges = _Gauges(registry)
@@ -129,8 +129,11 @@ class LiveBelady:
 
     def capacity_blocks(self) -> int:
         """Pooled L1 of the live prefill workers (those that served the window if none is known live)."""
-        workers = len(self.prefill) or len(self.window.workers()) or 1
-        return workers * self.worker_blocks
+        if self.settings.capacity_blocks is not None:  # the operator asked for a what-if capacity
+            return self.settings.capacity_blocks
+        if self.prefill:
+            return sum(self.prefill.values())
+        return (len(self.window.workers()) or 1) * self.worker_blocks
 
     def add(self, record: TrafficRecord) -> None:
         self.window.add(record)
@@ -182,6 +185,6 @@ class LiveBelady:
     async def _watch(self) -> None:
         async for change in follow_workers(self.js):
             if change.change is Change.DOWN:
-                self.prefill.discard(change.worker_id)
+                self.prefill.pop(change.worker_id, None)
             elif change.heartbeat is not None and change.heartbeat.role is Role.PREFILL:
-                self.prefill.add(change.worker_id)
+                self.prefill[change.worker_id] = change.heartbeat.l1_capacity_blocks or self.worker_blocks

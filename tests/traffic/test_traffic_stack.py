@@ -28,7 +28,7 @@ from shared.stack.servers import S3Server
 from shared.traffic.reader import read_records
 
 KEYS = {"sk-acme": "acme", "sk-bravo": "bravo"}
-L1_BLOCKS = 8  # the eviction service's view of one worker's L1: small, so Belady has to choose
+L1_BLOCKS = 8  # the live Belady's what-if fleet L1: small, so Belady has to choose
 STORY = ("Tell me about the lighthouse keeper Marguerite who counted ships along the northern cape every "
          "night for forty years and wrote each one into a blue ledger. ")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
@@ -39,7 +39,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    env = {"KVMESH_EVICTION__LIVE_BELADY__PERIOD_S": "0.2", "KVMESH_EVICTION__L1_CAPACITY_BLOCKS": str(L1_BLOCKS)}
+    env = {"KVMESH_EVICTION__LIVE_BELADY__PERIOD_S": "0.2", "KVMESH_EVICTION__LIVE_BELADY__CAPACITY_BLOCKS": str(L1_BLOCKS)}
     with one_of_each(tmp_path_factory.mktemp("traffic"), s3_server, tiny_model_dir, KEYS, **env) as s:
         s.start_ready("eviction", "eviction-0")
         yield s
@@ -132,7 +132,7 @@ def test_recorded_trace_replays_and_live_belady_equals_the_sim(stack: ServingSta
 
     total = sum(len(x["hash_ids"]) for x in lines)
     live = gauges_when(stack, total)
-    assert live["capacity_blocks"] == L1_BLOCKS  # one prefill worker's pool
+    assert live["capacity_blocks"] == L1_BLOCKS  # the what-if capacity, not the worker's pool
     assert live["belady"] == pytest.approx(replay["hit_rate"]["belady"], abs=1e-6)
     assert live["infinite"] == pytest.approx(replay["hit_rate"]["infinite"], abs=1e-6)
     assert 0 < live["belady"] < live["infinite"]  # the small pool makes Belady choose
