@@ -13,7 +13,7 @@ Built for 1M+ blocks and sub-millisecond lookups in pure Python:
   workers still matching as a mask; it stops when no worker and no L3 run
   is left.
 
-Memory (bench/index.py --scale): a block costs its dict entry and its key
+Memory (`kvmesh bench index --scale`): a block costs its dict entry and its key
 int; mask values are interned (`_canon`: one int object per distinct
 mask), because a fleet has few distinct masks but wide ones: a block of
 worker slot 999 carries a 2,000-bit mask, ~290 bytes if each block had its
