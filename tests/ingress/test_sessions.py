@@ -109,7 +109,8 @@ async def test_tracker_counts_a_lost_event_and_still_remembers_the_turn() -> Non
     assert first.ref.source is Source.NEW and first.ref.client_id == "auto-1"
     tracker.finish(first, [7, 8, 9, 2], [7, 8, 9], "stop", "decode-0")  # does not raise
     await tracker.drain(10.0)
-    assert registry.get_sample_value("kvmesh_ingress_session_event_failures_total") == 1
+    # both of the turn's events were lost: its start and its end
+    assert registry.get_sample_value("kvmesh_ingress_session_event_failures_total") == 2
     # the next turn's prompt holds the answer's ids: it continues the session
     nxt = tracker.begin(admitted("req_2"), given, [*prompt, 7, 8, 9, 2, 40, 41], ToolEvidence())
     assert (nxt.ref.client_id, nxt.ref.source) == ("auto-1", Source.INFERRED)
@@ -164,13 +165,18 @@ async def _wait(url: str, stream: str, subject: str, match: Callable[[bytes], bo
 
 
 def event_where(stack: ServingStack, pred: Callable[[SessionEvent], bool], timeout_s: float = 30.0) -> SessionEvent:
+    """The first turn-end event that matches (a turn's `started` event shares its request id)."""
     data = asyncio.run(_wait(stack.nats.url, "SESSIONS", subjects.SESSION_EVENTS,
-                             lambda d: pred(SessionEvent.from_bytes(d)), timeout_s))
+                             lambda d: _ends(e := SessionEvent.from_bytes(d)) and pred(e), timeout_s))
     return SessionEvent.from_bytes(data)
 
 
+def _ends(ev: SessionEvent) -> bool:
+    return ev.outcome is not TurnOutcome.STARTED
+
+
 def events_where(stack: ServingStack, pred: Callable[[SessionEvent], bool]) -> list[SessionEvent]:
-    """Every event so far that matches (call it after waiting for a later event: nothing is in flight)."""
+    """Every turn-end event so far that matches (call it after waiting for a later event: nothing is in flight)."""
     async def scan() -> list[SessionEvent]:
         nc = await nats.connect(stack.nats.url)
         try:
@@ -182,7 +188,7 @@ def events_where(stack: ServingStack, pred: Callable[[SessionEvent], bool]) -> l
             while seen < info.state.messages:
                 msgs = await sub.fetch(500, timeout=5.0)
                 seen += len(msgs)
-                out += [e for m in msgs if pred(e := SessionEvent.from_bytes(m.data))]
+                out += [e for m in msgs if _ends(e := SessionEvent.from_bytes(m.data)) and pred(e)]
             return out
         finally:
             await nc.close()

@@ -147,7 +147,8 @@ async def _event(url: str, request_id: str) -> SessionEvent:
                 except nats.errors.TimeoutError:
                     continue
                 for msg in msgs:
-                    if (event := SessionEvent.from_bytes(msg.data)).request_id == request_id:
+                    if (event := SessionEvent.from_bytes(msg.data)).request_id == request_id \
+                            and event.outcome is not TurnOutcome.STARTED:  # the turn's end, not its start
                         return event
     finally:
         await nc.close()
