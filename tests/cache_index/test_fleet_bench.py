@@ -43,3 +43,15 @@ def test_bench_fleet_small_runs_and_reports(tmp_path):
         assert row["churn"]["started"] == 10
         assert row["consumers_left_after_churn"] == 0
     assert out["growth"]["workers"] == 4.0 and "lookup_p99_ms" in out["growth"]
+
+
+def test_bench_index_scale_mode_reports_memory_lookups_and_snapshot():
+    result = CliRunner().invoke(app, ["bench", "index", "--json", "--scale", "3000,6000", "--lookups", "40",
+                                      "--scale-workers", "50"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["blocks"] for r in rows] == [2944, 5888]  # whole chains of 128
+    for r in rows:
+        assert r["map_bytes_per_block"] > 0 and r["blocks_per_gib"] > 0
+        assert r["lookups_per_s_per_core_in_process"] > 0 and r["nats"]["lookups_per_s_per_core"] > 0
+        assert r["snapshot_bytes"] > 8 * r["blocks"]  # a key and at least one mask word each

@@ -124,3 +124,19 @@ def test_corrupt_snapshot_is_rejected():
         snapshot.decode(bytes(blob))
     with pytest.raises(snapshot.SnapshotError):
         snapshot.decode(b"not a snapshot")
+
+
+def test_a_wide_fleet_costs_no_more_per_block_and_masks_are_shared():
+    """Blocks of worker slot 999 (2,000-bit masks) take the bytes blocks of slot 0 take; lookups still answer."""
+    narrow, wide = BlockIndex(), BlockIndex()
+    for i in range(1000):
+        wide.slot(f"w{i}")
+    ks = keys(2000, "wide")
+    narrow.add("w0", Tier.L1, ks)
+    wide.add("w999", Tier.L1, ks)
+    assert wide.nbytes() <= narrow.nbytes() + 1024
+    assert len({id(m) for m in wide.masks.values()}) == 1
+    assert wide.lookup(ks[:10]).workers["w999"].blocks == 10
+    wide.clear_worker("w999", release=True)
+    wide.add("w5", Tier.L2, ks[:3])
+    assert set(wide.lookup(ks[:3]).workers) == {"w5"} and wide.lookup(ks).l3_blocks == 0
