@@ -1,9 +1,10 @@
 """One emulated worker of `kvmesh bench fleet`: the real control-plane parts of a worker, no engine.
 
 What a prefill worker puts on NATS is all here, through the code the
-worker runs: its heartbeat (`HeartbeatLoop` into the `workers` bucket, with
-its KV-event position), its KV events (`KVEventPublisher`: batches on
-KV_EVENTS, the state-dump responder) and its eviction commands (the durable
+worker runs: its heartbeat (`HeartbeatLoop` into the `workers` bucket,
+with its KV-event position and the L1 size the eviction service advises
+by), its KV events (`KVEventPublisher`: batches on KV_EVENTS, the
+state-dump responder) and its eviction commands (the durable
 `command_consumer` in a `ConsumerLoop`). Its L1 is an LRU of block hashes of
 a fixed capacity: a chain the router assigns is stored (new blocks only),
 the least recently used blocks leave when it is full, and a `Demote` moves
@@ -63,7 +64,8 @@ class EmulatedWorker:
         self.events = KVEventPublisher(self.publisher, self.worker_id, IndexSettings())
         self.heartbeat = HeartbeatLoop(self.js, self.worker_id, Role.PREFILL, "http://127.0.0.1:9",
                                        self.cfg.heartbeat_interval_s, self.cfg.heartbeat_ttl_s, self.metrics,
-                                       capacity=4.0, kv_position=self.events.position)
+                                       capacity=4.0, kv_position=self.events.position,
+                                       l1_capacity_blocks=self.cfg.l1_blocks)
         self.commands = ConsumerLoop(self.js, command_consumer(self.worker_id), self._on_command, self.publisher,
                                      self.metrics, BusSettings(fetch_timeout_s=self.cfg.fetch_timeout_s))
 
