@@ -18,9 +18,9 @@ says so when its turn ends (shared/sessions/events.py). For each
      so the pin outlives most tool runs) plus `pin_margin_s`, within the
      session pin budget (`pin_fraction` of the worker's L1, in which the
      chains of turns admitted on that worker count first: their prefills
-     need the room now); past the budget
-     the pins of the sessions expected back after it give way (latest
-     first), or it is not pinned now and tried again as a prefetch;
+     need the room now, and pins granted earlier count until they lapse:
+     a worker's pin cannot be taken back); past the budget it is not
+     pinned now and tried again as a prefetch;
    - back later (an answer, a person reading): no pin, so the blocks go down
      to L2/L3 under pressure like any others; `prefetch_lead_s` before the
      predicted return (if a return is likely: `min_p_return`) a `Retain` with
@@ -244,29 +244,22 @@ class SessionRetention:
         return WorkerCommand(worker=session.worker, command_id=cid, command=cmd)
 
     def _make_room(self, session: TrackedSession, now: float) -> bool:
-        """Fit `session`'s chain in its worker's pin budget (distinct blocks: what its sessions share
-        counts once), unpinning the sessions expected back after it, latest first.
+        """Whether `session`'s chain fits its worker's pin budget (distinct blocks: what its sessions share
+        counts once) beside what the worker already holds for others.
 
-        The chains of the other sessions whose turn was admitted on that worker count against the
-        budget whether pinned or not: their prefills need that room now, so a pin for a session that
-        is away never takes it from them (a pin holds a reference no prefill can evict around)."""
+        A worker's pin only extends, never shrinks, so a pin granted earlier holds its blocks until its
+        own deadline: it counts until then, whoever is expected back first. The chains of the other
+        sessions whose turn was admitted on that worker (within the pin horizon: a lost end event stops
+        counting then) count too, pinned or not: their prefills need that room now. So the pins on a
+        worker plus the chains being prefilled never pass the budget, and the rest of the pool stays free
+        for prefills (a pin holds a reference no prefill can evict around)."""
         if len(set(session.chain)) > self.pin_budget:
             return False
         mine = [s for s in self.sessions.values() if s.worker == session.worker and s is not session]
-        # admitted within the horizon (a turn whose end event was lost stops counting then)
-        admitted = [s for s in mine if s.started_request and now < s.expected_at + self.settings.pin_horizon_s]
-        busy: set[bytes] = set(session.chain).union(*(s.chain for s in admitted))
-        held = {id(s) for s in admitted}
-        pinned = sorted((s for s in mine if s.pinned_until > now and id(s) not in held), key=lambda s: s.expected_at)
-
-        def used(kept: list[TrackedSession]) -> int:
-            return len(busy.union(*(s.chain for s in kept)))
-
-        while pinned and used(pinned) > self.pin_budget and pinned[-1].expected_at > session.expected_at:
-            # Its pin on the worker lapses at its own time (pins only extend); the engine's pin
-            # budget is the hard limit, this one decides who is worth asking for.
-            pinned.pop().pinned_until = 0.0
-        return used(pinned) <= self.pin_budget
+        horizon = self.settings.pin_horizon_s
+        held = [s.chain for s in mine
+                if s.pinned_until > now or (s.started_request and now < s.expected_at + horizon)]
+        return len(set(session.chain).union(*held)) <= self.pin_budget
 
     def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
         if not session.worker:

@@ -99,17 +99,20 @@ def test_an_ended_session_demotes_only_its_unshared_l1_blocks_leaves_first() -> 
     assert ("t", "s") not in p.sessions and p.claims.get(block("sys")) == 1
 
 
-def test_the_budget_gives_way_to_sessions_back_sooner() -> None:
+def test_a_granted_pin_holds_its_room_until_it_lapses() -> None:
     p = planner()  # budget: 40 of 100 blocks
     late = chain_in(p.view, "w1", [f"late{i}" for i in range(30)])
     soon = chain_in(p.view, "w1", [f"soon{i}" for i in range(30)])
-    assert p.on_event(event("late", late, TurnOutcome.TOOL_CALLS, T0, hint_s=100.0), T0)
-    [cmd] = p.on_event(event("soon", soon, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
-    assert isinstance(cmd.command, Retain) and p.pinned_blocks("w1", T0) == 30
-    assert p.sessions[("t", "late")].pinned_until == 0.0  # unpinned in the plan: it comes back later
-    later = chain_in(p.view, "w1", [f"later{i}" for i in range(30)])
-    assert p.on_event(event("later", later, TurnOutcome.TOOL_CALLS, T0, hint_s=50.0), T0) == []
-    assert p.counts.budget_refusals == 1
+    [first] = p.on_event(event("late", late, TurnOutcome.TOOL_CALLS, T0, hint_s=20.0), T0)
+    # A worker's pin cannot be taken back, so a session back sooner does not take its room: refused now,
+    # planned as a prefetch before its return instead.
+    assert p.on_event(event("soon", soon, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0) == []
+    assert p.counts.budget_refusals == 1 and p.pinned_blocks("w1", T0) == 30
+    assert p.sessions[("t", "soon")].prefetch_at is not None
+    # Once the first pin has lapsed on the worker, the second session fits.
+    after = first.command.until + 1
+    again = p.on_event(event("soon", soon, TurnOutcome.TOOL_CALLS, after, hint_s=2.0), after)
+    assert len(again) == 1 and isinstance(again[0].command, Retain) and p.pinned_blocks("w1", after) == 30
 
 
 def test_a_shared_system_prompt_counts_once_in_the_budget() -> None:
