@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from shared.cache_index.messages import LookupReply
 from shared.config import IngressSettings
 from shared.ingress.prefill_rates import PrefillRates
-from shared.ingress.routing_cost import FetchCosts, placement, prefill_cost
+from shared.ingress.routing_cost import FetchCosts, Placements, prefill_cost
 from shared.log import get_logger
 from shared.protocol.messages import Heartbeat, Role
 from shared.service.watch import Change, WorkerChange, follow_workers
@@ -178,15 +178,16 @@ class Router:
         eligible = eligible or [min(views, key=lambda w: (views[w].score(), w))]
         preferred = home(affinity_key, list(views)) if affinity_key else None
         total_blocks = prompt_tokens // block_size
+        where = Placements(reply)
 
         def cost(w: str) -> tuple[float, str]:
-            c = prefill_cost(prompt_tokens, block_size, placement(reply, w, total_blocks), self.rates.rate(w),
+            c = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks), self.rates.rate(w),
                              views[w].queued(), self.costs)
             return (c - (self.affinity_bonus_s if w == preferred else 0.0), w)
 
         best = min(eligible, key=cost)
-        log.debug("prefill routed", worker=best, costs={w: round(cost(w)[0], 5) for w in views}, cap=cap,
-                 matches={m.worker: m.blocks for m in reply.workers}, l3=reply.l3_blocks, blocks=total_blocks)
+        log.debug("prefill routed", worker=best, cost=round(cost(best)[0], 5), cap=cap, eligible=len(eligible),
+                  holders=len(reply.workers), l3=reply.l3_blocks, blocks=total_blocks)
         return best
 
 

@@ -43,17 +43,33 @@ class Placement:
     l3: int = 0  # next blocks in L3
 
 
+class Placements:
+    """`placement` for every worker of one lookup reply, each in O(1): the reply is indexed once (a reply
+    may list every worker of the fleet, so a per-worker scan would make routing quadratic in fleet size)."""
+
+    __slots__ = ("_by_worker", "_top", "_l3")
+
+    def __init__(self, reply: LookupReply | None) -> None:
+        workers = reply.workers if reply is not None else []
+        self._by_worker = {m.worker: m for m in workers}
+        self._top = sorted(workers, key=lambda m: m.blocks, reverse=True)[:2]  # best peer of anyone is one of these
+        self._l3 = reply.l3_blocks if reply is not None else 0
+
+    def of(self, worker: str, total_blocks: int) -> Placement:
+        """Split the request's leading blocks by where `worker` would get them (own tiers, then peers, then L3)."""
+        if not self._top and not self._l3:
+            return Placement()
+        l1, l2 = _own_tiers(self._by_worker.get(worker))
+        have = l1 + l2
+        best_peer = next((m.blocks for m in self._top if m.worker != worker), 0)
+        peer = max(0, min(best_peer, total_blocks) - have)
+        l3 = max(0, min(self._l3, total_blocks) - have - peer)
+        return Placement(l1=l1, l2=l2, peer=peer, l3=l3)
+
+
 def placement(reply: LookupReply | None, worker: str, total_blocks: int) -> Placement:
-    """Split the request's leading blocks by where `worker` would get them (own tiers, then peers, then L3)."""
-    if reply is None:
-        return Placement()
-    own = next((m for m in reply.workers if m.worker == worker), None)
-    l1, l2 = _own_tiers(own)
-    have = l1 + l2
-    best_peer = max((m.blocks for m in reply.workers if m.worker != worker), default=0)
-    peer = max(0, min(best_peer, total_blocks) - have)
-    l3 = max(0, min(reply.l3_blocks, total_blocks) - have - peer)
-    return Placement(l1=l1, l2=l2, peer=peer, l3=l3)
+    """Where `worker` would get the request's leading blocks (one worker; `Placements` for many)."""
+    return Placements(reply).of(worker, total_blocks)
 
 
 def _own_tiers(match: WorkerMatch | None) -> tuple[int, int]:

@@ -46,6 +46,9 @@ class StreamSpec:
     work_queue: bool = False  # each message taken by one consumer, deleted once acked
     duplicate_window_s: float = 2 * MINUTE
     description: str = ""
+    # Consumers the stream may have. nats-server caps a stream at 1,000 unless its config says more, and the
+    # work queues hold a durable per worker (two per worker on JOBS): past ~500 workers new ones were refused.
+    max_consumers: int = -1
 
     def config(self, replicas: int = 1) -> api.StreamConfig:
         return api.StreamConfig(
@@ -61,6 +64,7 @@ class StreamSpec:
             storage=api.StorageType.FILE,
             num_replicas=replicas,
             duplicate_window=min(self.duplicate_window_s, self.max_age_s),  # the server demands <= max_age
+            max_consumers=self.max_consumers,
         )
 
 
@@ -147,14 +151,15 @@ class BucketSpec:
         )
 
 
+PER_WORKER_CONSUMERS = 100_000  # streams with a durable per worker: room for tens of thousands of workers
 JOBS = StreamSpec("JOBS", (subjects.JOBS_ALL,), 15 * MINUTE, 1 * GiB, 1 * MiB, work_queue=True,
-                  description="ingress -> prefill/decode jobs")
+                  description="ingress -> prefill/decode jobs", max_consumers=PER_WORKER_CONSUMERS)
 HANDOFF = StreamSpec("HANDOFF", (subjects.HANDOFF_ALL,), 15 * MINUTE, 1 * GiB, 4 * MiB, work_queue=True,
-                     description="prefill -> decode KV block handles")
+                     description="prefill -> decode KV block handles", max_consumers=PER_WORKER_CONSUMERS)
 KV_EVENTS = StreamSpec("KV_EVENTS", (subjects.KV_EVENTS_ALL,), 1 * DAY, 2 * GiB, 1 * MiB,
                        description="KV block stored/removed events for the cache index")
 COMMANDS = StreamSpec("COMMANDS", (subjects.COMMANDS_ALL,), 1 * HOUR, 256 * MiB, 1 * MiB, work_queue=True,
-                      description="commands to one worker: demote, delete, drain")
+                      description="commands to one worker: demote, delete, drain", max_consumers=PER_WORKER_CONSUMERS)
 DEAD_LETTER = StreamSpec("DEAD_LETTER", (subjects.DEAD_LETTER_ALL,), 7 * DAY, 1 * GiB, 8 * MiB,
                          description="poison messages with the reason in headers")
 SESSIONS = StreamSpec("SESSIONS", (subjects.SESSION_EVENTS,), 1 * DAY, 256 * MiB, 64 * 1024,

@@ -45,3 +45,24 @@ async def test_changed_limit_updates_existing_stream(nats_server):
         assert (info.config.max_bytes, info.config.max_msg_size, info.config.max_age) == (4 << 20, 4096, 120.0)
         assert info.state.messages == 1  # updated in place, not recreated
         await js.delete_stream(name)
+
+
+async def test_a_per_worker_stream_takes_more_than_the_servers_default_1000_consumers(fresh_nats_server):
+    """nats-server refuses the 1,001st consumer of a stream whose config sets no max_consumers; JOBS holds a
+    durable per worker and role, so a fleet of 1,000 workers needs more (shown on a stream of the same spec
+    without the setting, whose 1,001st is refused)."""
+    async with connected(fresh_nats_server.url) as nc:
+        js = nc.jetstream()
+        capped = replace(streams.JOBS, name="CAPPED", subjects=("capped.>",), max_consumers=-1)
+        await declare_stream(js, capped.config())
+        for name, prefix in ((streams.JOBS.name, "kvmesh.jobs.prefill"), ("CAPPED", "capped")):
+            made = 0
+            for i in range(1001):
+                config = api.ConsumerConfig(durable_name=f"w{i}", filter_subject=f"{prefix}.w{i}",
+                                            ack_policy=api.AckPolicy.EXPLICIT)
+                try:
+                    await js.add_consumer(name, config)
+                except Exception:  # noqa: BLE001 - the server's "maximum consumers limit reached"
+                    break
+                made += 1
+            assert made == (1001 if name == streams.JOBS.name else 1000), name

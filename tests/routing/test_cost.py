@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.cache_index.messages import LookupReply, TierRun, WorkerMatch
-from shared.ingress.routing_cost import FetchCosts, Placement, placement, prefill_cost
+from shared.ingress.routing_cost import FetchCosts, Placement, Placements, placement, prefill_cost
 from shared.tiers.miss import Tier
 
 BLOCK = 16
@@ -53,3 +53,24 @@ def test_placement_own_tiers_then_peer_then_l3():
     assert placement(reply, "p3", 10) == Placement(l1=0, l2=0, peer=6, l3=2)
     assert placement(reply, "p3", 5) == Placement(peer=5)  # never more than the prompt's blocks
     assert placement(None, "p1", 10) == Placement()
+
+
+def _scan(reply: LookupReply, worker: str, total: int) -> Placement:
+    """The definition, one worker at a time: its own run, the best other holder's run, then L3."""
+    own = next((m for m in reply.workers if m.worker == worker), None)
+    l1 = own.runs[0].blocks if own and own.runs and own.runs[0].tier is Tier.L1 else 0
+    have = own.blocks if own else 0
+    best_peer = max((m.blocks for m in reply.workers if m.worker != worker), default=0)
+    peer = max(0, min(best_peer, total) - have)
+    return Placement(l1=l1, l2=have - l1, peer=peer, l3=max(0, min(reply.l3_blocks, total) - have - peer))
+
+
+@given(runs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=8), l3=counts, total=counts)
+def test_placements_of_every_worker_equal_the_per_worker_scan(runs, l3, total):
+    matches = [WorkerMatch(worker=f"p{i}", blocks=a + b,
+                           runs=[TierRun(tier=t, blocks=n) for t, n in ((Tier.L1, a), (Tier.L2, b)) if n])
+               for i, (a, b) in enumerate(runs) if a + b]
+    reply = LookupReply(workers=matches, l3_blocks=l3, indexed_blocks=100, ready=True)
+    where = Placements(reply)
+    for worker in [m.worker for m in matches] + ["elsewhere"]:
+        assert where.of(worker, total) == _scan(reply, worker, total)
