@@ -20,6 +20,7 @@ class PrefillRates:
     alpha: float = 0.2  # weight of the newest observation
     min_tokens: int = 64  # shorter prefills are dominated by fixed overhead: not a rate sample
     _rates: dict[str, float] = field(default_factory=dict)
+    _mean: float | None = None  # of `_rates`, kept on every change: `rate` runs once per worker per routing pick
 
     def observe(self, worker: str, seconds: float, uncached_tokens: int) -> None:
         if uncached_tokens < self.min_tokens or seconds <= 0:
@@ -27,14 +28,22 @@ class PrefillRates:
         sample = seconds / uncached_tokens
         old = self._rates.get(worker)
         self._rates[worker] = sample if old is None else old + self.alpha * (sample - old)
+        self._mean = None
 
     def rate(self, worker: str) -> float:
         rate = self._rates.get(worker)
-        if rate is None:
-            return sum(self._rates.values()) / len(self._rates) if self._rates else self.prior_s_per_token
-        return rate
+        if rate is not None:
+            return rate
+        if not self._rates:
+            return self.prior_s_per_token
+        if self._mean is None:
+            self._mean = sum(self._rates.values()) / len(self._rates)
+        return self._mean
 
     def forget(self, keep: set[str]) -> None:
         """Drop the rates of workers no longer live (a restarted id starts from the prior again)."""
-        for worker in set(self._rates) - keep:
+        gone = self._rates.keys() - keep
+        for worker in gone:
             del self._rates[worker]
+        if gone:
+            self._mean = None

@@ -169,20 +169,29 @@ class Router:
         if reply is None or self.mode != "cost":
             return self.pick(Role.PREFILL, affinity_key, exclude)
         skip = set(exclude)
-        views = {w: v for w in self.table.live(Role.PREFILL) if w not in skip and (v := self.table.view(w))}
+        live = self.table.live(Role.PREFILL)
+        views = {w: v for w in live if w not in skip and (v := self.table.view(w))}
         if not views:
             return None
-        self.rates.forget(set(self.table.live(Role.PREFILL)))
-        cap = math.ceil(self.load_bound * (sum(v.queued() for v in views.values()) + 1) / len(views))
-        eligible = [w for w, v in views.items() if v.queued() + 1 <= cap and v.score() <= self.overload_factor]
+        self.rates.forget(set(live))
+        queued = {w: v.queued() for w, v in views.items()}
+        cap = math.ceil(self.load_bound * (sum(queued.values()) + 1) / len(views))
+        eligible = [w for w, v in views.items() if queued[w] + 1 <= cap and v.score() <= self.overload_factor]
         eligible = eligible or [min(views, key=lambda w: (views[w].score(), w))]
         preferred = home(affinity_key, list(views)) if affinity_key else None
         total_blocks = prompt_tokens // block_size
         where = Placements(reply)
+        # Workers holding none of the prompt share one placement, so at 1,000 workers most costs repeat:
+        # they are computed once per (rate, load) and, with the rate, cost the same as `prefill_cost` says.
+        priced: dict[tuple[float, float], float] = {}
 
         def cost(w: str) -> tuple[float, str]:
-            c = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks), self.rates.rate(w),
-                             views[w].queued(), self.costs)
+            rate = self.rates.rate(w)
+            if where.holds(w):
+                c = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks), rate, queued[w], self.costs)
+            elif (c := priced.get((rate, queued[w]))) is None:
+                c = priced[(rate, queued[w])] = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks),
+                                                             rate, queued[w], self.costs)
             return (c - (self.affinity_bonus_s if w == preferred else 0.0), w)
 
         best = min(eligible, key=cost)

@@ -55,6 +55,10 @@ class Placements:
         self._top = sorted(workers, key=lambda m: m.blocks, reverse=True)[:2]  # best peer of anyone is one of these
         self._l3 = reply.l3_blocks if reply is not None else 0
 
+    def holds(self, worker: str) -> bool:
+        """Whether `worker` holds part of the prompt (every other worker's placement is the same)."""
+        return worker in self._by_worker
+
     def of(self, worker: str, total_blocks: int) -> Placement:
         """Split the request's leading blocks by where `worker` would get them (own tiers, then peers, then L3)."""
         if not self._top and not self._l3:
