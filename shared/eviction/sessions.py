@@ -56,6 +56,10 @@ from shared.sessions.events import SessionEvent, TurnOutcome
 from shared.tiers.miss import Tier
 
 
+# What a turn adds to its session's chain, as a share of it, when sizing the room its next prefill needs.
+_GROWTH = 0.25
+
+
 @dataclass(slots=True)
 class TrackedSession:
     key: tuple[str, str]  # (tenant, session id): ids are scoped to their tenant
@@ -89,6 +93,7 @@ class SessionRetention:
                  l1_capacity: int) -> None:
         self.view, self.book, self.settings = view, book, settings
         self.pin_budget = int(settings.pin_fraction * l1_capacity)
+        self.l1_capacity = l1_capacity
         self.sessions: OrderedDict[tuple[str, str], TrackedSession] = OrderedDict()
         self.claims: dict[bytes, int] = {}  # block -> tracked sessions whose chain holds it
         self.counts = RetentionCounts()
@@ -251,15 +256,21 @@ class SessionRetention:
         own deadline: it counts until then, whoever is expected back first. The chains of the other
         sessions whose turn was admitted on that worker (within the pin horizon: a lost end event stops
         counting then) count too, pinned or not: their prefills need that room now. So the pins on a
-        worker plus the chains being prefilled never pass the budget, and the rest of the pool stays free
-        for prefills (a pin holds a reference no prefill can evict around)."""
+        worker plus the chains being prefilled never pass the budget. And the pins leave room in the
+        pool for the largest chain of the worker's sessions plus a quarter (the next prefill of any of
+        them): a pin holds a reference no prefill can evict around, and a prompt larger than what the
+        pins leave free cannot be admitted until they lapse."""
         if len(set(session.chain)) > self.pin_budget:
             return False
         mine = [s for s in self.sessions.values() if s.worker == session.worker and s is not session]
         horizon = self.settings.pin_horizon_s
         held = [s.chain for s in mine
                 if s.pinned_until > now or (s.started_request and now < s.expected_at + horizon)]
-        return len(set(session.chain).union(*held)) <= self.pin_budget
+        pinned = len(set(session.chain).union(*held))
+        # Any session of this worker may be admitted next, and its prompt is at least its chain plus what
+        # the turn adds: a prefill that size must still fit beside the pins, or it waits until they lapse.
+        largest = max([len(s.chain) for s in mine] + [len(session.chain)]) * (1 + _GROWTH)
+        return pinned <= self.pin_budget and pinned + largest <= self.l1_capacity
 
     def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
         if not session.worker:

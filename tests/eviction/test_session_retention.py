@@ -200,3 +200,19 @@ def test_an_away_session_is_not_pinned_into_the_room_an_admitted_turn_needs() ->
         update={"request_id": "r-q-2"}), T0 + 3)
     [cmd] = p.on_event(event("t", away, TurnOutcome.TOOL_CALLS, T0 + 4, hint_s=3.0, tools=("bash",)), T0 + 4)
     assert isinstance(cmd.command, Retain)
+
+
+def test_pins_leave_room_for_the_largest_next_prefill() -> None:
+    p = planner()  # L1 100, pin budget 40
+    big = chain_in(p.view, "w1", [f"big{i}" for i in range(70)])
+    small = chain_in(p.view, "w1", [f"small{i}" for i in range(20)])
+    p.on_event(event("big", big, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)  # away, not pinned
+    # 20 pinned blocks fit the budget, but the big session's next prompt (70 blocks and more) would then
+    # not fit beside them: refused.
+    assert p.on_event(event("small", small, TurnOutcome.TOOL_CALLS, T0 + 1, hint_s=2.0, tools=("bash",)), T0 + 1) == []
+    assert p.counts.budget_refusals == 1
+    # Without the big session on that worker, the same pin is granted.
+    q = planner()
+    small = chain_in(q.view, "w1", [f"small{i}" for i in range(20)])
+    [cmd] = q.on_event(event("small", small, TurnOutcome.TOOL_CALLS, T0 + 1, hint_s=2.0, tools=("bash",)), T0 + 1)
+    assert isinstance(cmd.command, Retain)
