@@ -143,7 +143,7 @@ class SessionRetentionSettings(BaseModel):
     min_p_return: float = Field(default=0.3, ge=0.0, le=1.0)  # ... if at least this likely to come back at all
     max_sessions: int = Field(default=16_384, ge=1)  # tracked sessions; the least recently active go first
     # A session whose turn was admitted is pinned this long (its end event re-plans); 0: only ranked as in use.
-    # Off: in `kvmesh bench agents` such holds filled the pin budget and stalled admissions (agent-sessions.md)
+    # Off: pins for every queued turn take room its prefill needs, and no run showed them helping (agent-sessions.md)
     in_use_hold_s: float = Field(default=0.0, ge=0.0)
 
 
