@@ -99,6 +99,8 @@ def cost(
     ttft_slo_ms: Annotated[Optional[float], typer.Option(min=0.0, help="Your TTFT target, ms (none: latency-tolerant).")] = None,
     hit_rate_target: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="A hit rate you must hold (a strict need favors cross-turn scheduling).")] = None,
+    window_s: Annotated[Optional[float], typer.Option(
+        "--window-s", min=1.0, help="Hit-rate window of the plot (default: ~30 over the span, at least 60 s).")] = None,
     state_dir: Annotated[Optional[Path], typer.Option(
         "--state-dir", help="The stack's state dir (default: settings state_dir).")] = None,
 ) -> None:
@@ -120,7 +122,7 @@ def cost(
         raise typer.Exit(1)
     per_worker = settings.eviction.l1_capacity_blocks or settings.engine.num_blocks
     capacity = capacity_blocks or default_capacity(per_worker, measure(records).workers)
-    report = build_report(records, book, ReportOptions(capacity, gpu_hour_usd, ttft_slo_ms, hit_rate_target))
+    report = build_report(records, book, ReportOptions(capacity, gpu_hour_usd, ttft_slo_ms, hit_rate_target, window_s))
     if html is not None:
         from shared.report.html import write_html
 

@@ -20,11 +20,13 @@ def test_json_report_of_a_recorded_trace(tmp_path: Path) -> None:
     records = [record(i * 20, 400 + 100 * i, 20, cached=100 * i, session="s", hash_ids=list(range(4 + i)))
                for i in range(7)]
     trace = write_jsonl(records, tmp_path / "served.jsonl")
-    out = run("--trace", str(trace), "--json", "--html", str(tmp_path / "page" / "r.html"), "--hit-rate-target", "0.5")
+    out = run("--trace", str(trace), "--json", "--html", str(tmp_path / "page" / "r.html"), "--hit-rate-target", "0.5",
+              "--window-s", "40")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["measured"]["requests"] == 7
     assert report["measured"]["turns"]["mean"] == 7
+    assert report["hit_rate_over_time"]["window_s"] == 40 and len(report["hit_rate_over_time"]["windows"]) == 4
     assert report["recommendation"] in ("hosted", "self_built", "kvmesh_cross_turn") and report["reasons"]
     assert set(report["cost_per_1m_tokens_usd"]) == {"openai", "anthropic", "gemini", "deepseek", "self_built",
                                                      "kvmesh_cross_turn"}
