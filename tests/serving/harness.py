@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from bus.helpers import connected
 from nats.aio.client import Client as NATS
 
 from shared.protocol import subjects
@@ -29,6 +30,16 @@ from shared.stack.servers import ManagedProcess, spawn_process
 BLOCK_SIZE = 16
 SALT_A = "a1" * 32
 SALT_B = "b2" * 32
+
+
+def declare_streams(url: str) -> None:
+    """Declare the streams, consumers and buckets the workers bind to (what a stack's declare step does)."""
+
+    async def declare() -> None:
+        async with connected(url):
+            pass
+
+    asyncio.run(declare())
 
 
 def unique(prefix: str = "r") -> str:

@@ -20,7 +20,7 @@ from shared.bus.publish import Publisher
 from shared.protocol import subjects
 from shared.protocol.serving import Constraint, DecodeJob, SamplingSpec, ToolSchema
 
-from .harness import SALT_A, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import SALT_A, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,7 +34,7 @@ MAX_TOKENS = 1500
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    asyncio.run(_declare(nats_server.url))  # the streams the workers consume from
+    declare_streams(nats_server.url)  # the streams the workers consume from
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("serving-constrained")
     procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state), state / "logs")
@@ -46,10 +46,6 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[
     finally:
         procs.stop_all()
 
-
-async def _declare(url: str) -> None:
-    async with connected(url):
-        pass
 
 
 def _calls(text: str) -> list[dict]:

@@ -21,7 +21,7 @@ from shared.bus.publish import Publisher
 from shared.config import EngineSettings
 from shared.protocol import subjects
 
-from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -48,7 +48,7 @@ def _reference(loaded, prompt: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, llama3_8b_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    asyncio.run(_declare(nats_server.url))
+    declare_streams(nats_server.url)
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("real-geometry")
     env = worker_env(nats_server.url, s3_server, BUCKET, llama3_8b_model_dir, state)
@@ -64,10 +64,6 @@ def stack(nats_server, s3_server, llama3_8b_model_dir, tmp_path_factory) -> Iter
     finally:
         procs.stop_all()
 
-
-async def _declare(url: str) -> None:
-    async with connected(url):  # declares the streams and consumers' homes
-        pass
 
 
 async def _run(nc, prefill_worker: str, job) -> TokenCollector:

@@ -26,7 +26,7 @@ from shared.eviction.messages import Drop, WorkerCommand
 from shared.protocol import subjects
 from shared.tiers.miss import Tier
 
-from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +37,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    asyncio.run(_declare(nats_server.url))
+    declare_streams(nats_server.url)
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("tier-metrics")
     env = worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state)
@@ -52,10 +52,6 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[
     finally:
         procs.stop_all()
 
-
-async def _declare(url: str) -> None:
-    async with connected(url):
-        pass
 
 
 class Scrape:

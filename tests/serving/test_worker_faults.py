@@ -17,7 +17,7 @@ from shared.bus.publish import Publisher
 from shared.protocol import subjects
 from shared.protocol.serving import DecodeJob, SamplingSpec
 
-from .harness import TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,7 +27,7 @@ SILENCE_S = 1.5  # the ingress's inter-token timeout, short for the test
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[dict[str, str]]:
-    asyncio.run(_declare(nats_server.url))
+    declare_streams(nats_server.url)
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("serving-faults")
     procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state), state / "logs")
@@ -40,10 +40,6 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[
     finally:
         procs.stop_all()
 
-
-async def _declare(url: str) -> None:
-    async with connected(url):
-        pass
 
 
 def _prompt(reference, text: str) -> list[int]:

@@ -23,7 +23,8 @@ from shared.serving.worker_tiers import namespace_for
 from shared.tiers.handle import BlockHandle
 from shared.tiers.miss import Tier
 
-from .harness import BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, prefill_job, unique, worker_env
+from .harness import (BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique,
+                      worker_env)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,7 +33,7 @@ BUCKET = "kvmesh-serving-flow"
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    asyncio.run(_declare(nats_server.url))
+    declare_streams(nats_server.url)
     s3_server.ensure_bucket(BUCKET)
     state = tmp_path_factory.mktemp("serving-flow")
     procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state, audit_rate=1.0),
@@ -46,10 +47,6 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[
     finally:
         procs.stop_all()
 
-
-async def _declare(url: str) -> None:
-    async with connected(url):
-        pass
 
 
 def _ids(stack: WorkerProcs) -> tuple[str, str, str]:
