@@ -1,8 +1,15 @@
 """L3 GC pass cost on a generated bucket: the old pass (a HEAD per object) vs listing-only slices.
 
-A real weed S3 server (`S3Server`, as the tests start it) is filled with
-small objects under chunk keys (`{fingerprint}/{namespace}/{hash}`, the
-metadata `L3Store.put_chunk` writes) by parallel PUTs. The first `expired`
+A real weed S3 server (`S3Server`, as the tests start it, same flags) is
+filled through its S3 API by bench/l3_fill.py (signed PUTs from
+`fill_procs` processes x `put_threads` connections) with objects under chunk
+keys (`{fingerprint}/{namespace}/{hash}`) carrying the metadata
+`L3Store.put_chunk` writes; one HEAD checks it before measuring. Bodies are
+0 bytes by default (`object_bytes`): a pass reads listings and HEADs, never a
+body, and an empty object needs no volume write, which halves weed's CPU per
+PUT. What it does not model: a real chunk's filer entry also lists its
+volume chunks (one per 4 MB, weed's -filer.maxMB), so weed reads slightly
+larger entries per listed key. The first `expired`
 objects are written, then the clock passes a second, then the rest: at the
 pass's `now` exactly those are past the TTL. At each bucket size:
 
@@ -18,23 +25,23 @@ interpreter and imports are `rss_base_mb`). Requests are counted in the SDK
 set); deletes are measured once apart: one DELETE per key (old) vs S3
 DeleteObjects, 1,000 keys a request (new). Sizes past `old_max_objects`
 skip the old pass and extrapolate it linearly (its cost is one HEAD and one
-object record per object); 1M and 10M are extrapolated for both from the largest
-measured size (new: a pass is constant, a cycle is N / keys_per_pass
-passes; old: linear).
+object record per object); sizes past the largest measured one (1M, 10M) are
+extrapolated for both from it (new: a pass is constant, a cycle is
+N / keys_per_pass passes; old: linear). The S3 server's RSS (now and peak)
+is recorded before and after each size's passes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import multiprocessing as mp
 import resource
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from bench.l3_fill import FillSpec, chunk_key, fill
 
 FP = "fp-bench-l3gc"
 TTL_S = 3600
@@ -47,9 +54,10 @@ class L3GCBenchConfig:
     keys_per_pass: int = 100_000  # the service's default gc_keys_per_pass
     expired: int = 1000  # objects past their TTL at the pass
     namespaces: int = 16
-    object_bytes: int = 256
+    object_bytes: int = 0  # a pass reads no body: 0 B skips weed's volume write, halving its fill CPU
     old_max_objects: int = 100_000  # larger sizes: the old pass is extrapolated, not run
-    put_threads: int = 32
+    fill_procs: int = 2  # filling processes (the client's share is GIL bound)
+    put_threads: int = 8  # connections per filling process
 
 
 def run_l3_gc_bench(cfg: L3GCBenchConfig) -> dict:
@@ -62,28 +70,33 @@ def run_l3_gc_bench(cfg: L3GCBenchConfig) -> dict:
         server.start()
         try:
             creds = (server.endpoint, server.access_key, server.secret_key)
-            client = counting_client(*creds, pool_size=cfg.put_threads)
+            client = counting_client(*creds)
             client.make_bucket(BUCKET)
-            fill_s = _fill(client, 0, cfg.expired, cfg)
+            fill_s = _fill(creds, 0, cfg.expired, cfg)
+            metadata = _metadata_as_written(client, creds, cfg)
             expired_until = time.time()
             while int(time.time()) <= int(expired_until) + 1:  # Last-Modified has whole seconds
                 time.sleep(0.2)
             now = int(expired_until) + 1 + TTL_S  # the first `expired` objects are past the TTL, no other
             runs, written = [], cfg.expired
             for n in sizes:
-                fill_s += _fill(client, written, n, cfg)
+                fill_s += _fill(creds, written, n, cfg)
                 written = max(written, n)
-                _log(f"{n} objects in the bucket; measuring")
-                run = {"objects": n,
+                _log(f"{n} objects in the bucket ({written / fill_s:.0f} PUT/s so far); measuring")
+                run = {"objects": n, "s3_server": _server_rss_mb(server.process.pid),
                        "new_pass": _child("new", creds, now, cfg.keys_per_pass, 1),
                        "new_cycle": _child("new", creds, now, cfg.keys_per_pass, -(-n // cfg.keys_per_pass) + 1)}
                 run["old"] = (_child("old", creds, now, cfg.keys_per_pass, 1) if n <= cfg.old_max_objects
                               else _extrapolate(runs, n))
+                run["s3_server_after"] = _server_rss_mb(server.process.pid)
                 runs.append(run)
+                _log(f"{n}: new pass {run['new_pass']['seconds']} s, cycle {run['new_cycle']['seconds']} s, "
+                     f"old {run['old']['seconds']} s")
             deletes = _deletes(client, cfg)
         finally:
             server.stop()
-    return {"config": asdict(cfg), "fill_objects_per_s": round(written / fill_s, 1), "runs": runs,
+    return {"config": asdict(cfg), "fill_objects_per_s": round(written / fill_s, 1),
+            "fill_seconds": round(fill_s, 1), "metadata_as_written": metadata, "runs": runs,
             "deletes": deletes, "ratios": _ratios(runs),
             "extrapolated": {str(n): _extrapolate_both(runs[-1], cfg, n) for n in (1_000_000, 10_000_000)
                              if n > runs[-1]["objects"]}}
@@ -91,26 +104,41 @@ def run_l3_gc_bench(cfg: L3GCBenchConfig) -> dict:
 
 # --- filling ---------------------------------------------------------------
 
-def _fill(client, start: int, stop: int, cfg: L3GCBenchConfig) -> float:
-    if stop <= start:
-        return 0.0
-    body = bytes(cfg.object_bytes)
-    t0 = time.perf_counter()
-
-    def put(i: int) -> None:
-        ns = f"t-{i % cfg.namespaces}"
-        meta = {"namespace": ns, "ttl-s": str(TTL_S), "last-access": f"{time.time():.0f}", "blocks": "16",
-                "fingerprint": FP}
-        client.put_object(BUCKET, _key(i, ns), io.BytesIO(body), len(body), metadata=meta)
-    with ThreadPoolExecutor(cfg.put_threads) as pool:
-        for k, _ in enumerate(pool.map(put, range(start, stop), chunksize=256)):
-            if k and k % 50_000 == 0:
-                _log(f"filled {start + k} / {stop}")
-    return time.perf_counter() - t0
+def _spec(creds: tuple[str, str, str], cfg: L3GCBenchConfig) -> FillSpec:
+    return FillSpec(*creds, bucket=BUCKET, fingerprint=FP, ttl_s=TTL_S, namespaces=cfg.namespaces,
+                    object_bytes=cfg.object_bytes)
 
 
-def _key(i: int, ns: str) -> str:
-    return f"{FP}/{ns}/{hashlib.sha256(i.to_bytes(8, 'little')).hexdigest()}"
+def _fill(creds: tuple[str, str, str], start: int, stop: int, cfg: L3GCBenchConfig) -> float:
+    """PUT objects `start..stop-1` in steps of 100k (progress on stderr); seconds taken."""
+    spent = 0.0
+    for lo in range(start, stop, 100_000):
+        spent += fill(_spec(creds, cfg), lo, min(lo + 100_000, stop), cfg.fill_procs, cfg.put_threads)
+        if stop - start > 100_000:
+            _log(f"filled {min(lo + 100_000, stop)} / {stop} ({(min(lo + 100_000, stop) - start) / spent:.0f}/s)")
+    return spent
+
+
+def _metadata_as_written(client, creds: tuple[str, str, str], cfg: L3GCBenchConfig) -> dict[str, str]:
+    """One filled object's metadata as a HEAD returns it; raises if it is not what `L3Store.put_chunk` writes."""
+    key = chunk_key(_spec(creds, cfg), 0)
+    stat = client.stat_object(BUCKET, key)
+    meta = {k.lower().removeprefix("x-amz-meta-"): v for k, v in (stat.metadata or {}).items()
+            if k.lower().startswith("x-amz-meta-")}
+    want = {"namespace": key.split("/")[1], "ttl-s": str(TTL_S), "blocks": "16", "fingerprint": FP}
+    if {k: meta.get(k) for k in want} != want or "last-access" not in meta or stat.size != cfg.object_bytes:
+        raise RuntimeError(f"filled object {key}: metadata {meta}, size {stat.size}")
+    return meta
+
+
+def _server_rss_mb(pid: int) -> dict[str, float]:
+    """The S3 server's resident memory now and at its peak (VmRSS, VmHWM)."""
+    got = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            got[name] = round(int(value.split()[0]) / 1024, 1)
+    return {"rss_mb": got.get("VmRSS", 0.0), "rss_peak_mb": got.get("VmHWM", 0.0)}
 
 
 # --- one measured pass, in a child process ------------------------------------
@@ -167,7 +195,8 @@ def _deletes(client, cfg: L3GCBenchConfig) -> dict:
     """Delete the expired objects: half one request per key (old), half in DeleteObjects batches (new)."""
     from minio.deleteobjects import DeleteObject
 
-    keys = [_key(i, f"t-{i % cfg.namespaces}") for i in range(cfg.expired)]
+    spec = _spec(("", "", ""), cfg)
+    keys = [chunk_key(spec, i) for i in range(cfg.expired)]
     half = len(keys) // 2
     client.reset()
     t0 = time.perf_counter()

@@ -230,10 +230,14 @@ def l3_gc(
     objects: Annotated[str, typer.Option(help="Comma-separated bucket sizes, filled in turn.")] = "10000,100000",
     keys_per_pass: Annotated[int, typer.Option(min=1, help="Keys one listing-only pass covers.")] = 100_000,
     old_max_objects: Annotated[int, typer.Option(help="Largest size the old HEAD-per-object pass runs at.")] = 100_000,
+    fill_procs: Annotated[int, typer.Option(min=1, help="Processes filling the bucket.")] = 2,
+    put_threads: Annotated[int, typer.Option(min=1, help="Connections per filling process.")] = 8,
+    object_bytes: Annotated[int, typer.Option(min=0, help="Body size of each object (a pass reads none).")] = 0,
 ) -> None:
     """One L3 GC pass on a generated weed bucket: a HEAD per object (old) vs listing-only slices (requests, s, RSS)."""
     from bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
 
     cfg = L3GCBenchConfig(objects=tuple(int(n) for n in objects.split(",") if n.strip()), keys_per_pass=keys_per_pass,
-                          old_max_objects=old_max_objects)
+                          old_max_objects=old_max_objects, fill_procs=fill_procs, put_threads=put_threads,
+                          object_bytes=object_bytes)
     typer.echo(json.dumps(run_l3_gc_bench(cfg), indent=None if json_out else 2))
