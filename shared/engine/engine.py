@@ -62,9 +62,10 @@ class Engine:
             policy = get_policy(settings.eviction_policy)
         self.cache = PrefixCache(BlockPool(settings.num_blocks), settings.block_size, policy, listener, block_bytes=block_bytes)
         self.leases = LeaseSet(self.cache)
-        self.scheduler = Scheduler(settings, self.cache, self.leases)
         self.pins = PinSet(self.cache, int(settings.pin_fraction * settings.num_blocks),
                            int(settings.pin_tenant_fraction * settings.num_blocks))
+        # Pins and leases are advice the scheduler may take back when nothing could run otherwise.
+        self.scheduler = Scheduler(settings, self.cache, self.leases, self.pins)
         # On CUDA, exports and imports run on a side stream through pinned memory (kernels/block_copy.py).
         self._copier = SideStreamCopier(self.kv_cache.device) if self.kv_cache.is_cuda else None
         self._requests: dict[str, Request] = {}

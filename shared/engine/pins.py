@@ -13,6 +13,13 @@ by the pool's limit only. A pin that would pass a budget keeps only the
 leading run that fits, so no tenant,
 breakpoint or agent session can hold so much of the pool that requests
 starve. Extending a block already pinned costs nothing.
+
+Pins are advice, never a wait: when the scheduler cannot otherwise make
+progress (nothing runs and the next request does not fit, or the only
+running request cannot grow), `yield_idle` drops the pins of blocks only a
+pin holds, furthest predicted use first (the latest deadline; a chain's
+tail before its start), and counts them in `num_yielded`. The blocks stay
+cached and evictable: a dropped pin costs at most a later miss.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class PinSet:
         self.limit = limit
         self.ledger = PinLedger(limit, tenant_limit)
         self._blocks: dict[BlockHash, Block] = {}
+        self.num_yielded = 0  # pins dropped before their deadline so that a request could run
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -69,3 +77,26 @@ class PinSet:
         if done:
             self._cache.release([self._blocks.pop(h) for h in done])
         return len(done)
+
+    def yield_idle(self, n: int, keep: frozenset[int] = frozenset()) -> int:
+        """Drop up to `n` pins whose block nothing but the pin holds (and whose id is not in `keep`),
+        the latest deadline first and, among equal ones, the deepest block first; returns how many."""
+        if n <= 0:
+            return 0
+        idle = [(h, b) for h, b in self._blocks.items() if b.ref_count == 1 and b.block_id not in keep]
+        if not idle:
+            return 0
+
+        def furthest_first(item: tuple[BlockHash, Block]) -> tuple[float, int]:
+            info = self._cache.info(item[1])
+            return self.ledger.until(item[0]), info.depth if info is not None else 0
+
+        idle.sort(key=furthest_first, reverse=True)
+        take = idle[:n]
+        self.ledger.release([h for h, _ in take])
+        for h, _ in take:
+            del self._blocks[h]
+        # release() frees the last block of its list first: pass roots first so tails are evicted first.
+        self._cache.release([b for _, b in reversed(take)])
+        self.num_yielded += len(take)
+        return len(take)

@@ -7,9 +7,15 @@ prefill), then chunks of running prefills, then newly admitted requests
 block for a running request, the newest running request is preempted: its
 blocks are released (full ones stay cached, so its recompute mostly hits)
 and it goes back to the front of the queue. Blocks under a lease
-(shared/engine/leases.py) are not allocatable; a lease is broken only when
-nothing runs and the next request cannot be admitted otherwise, because
-then nothing else would ever free a block. A request's own lease ends with it.
+(shared/engine/leases.py) or a pin (shared/engine/pins.py) are not
+allocatable, but both are advice, never a wait: when nothing runs and the
+next request cannot be admitted otherwise (nothing else would ever free a
+block), idle pinned blocks are unpinned first (they are kept for a later
+use, a lease for a request already queued), then leases are broken; a
+running request that would otherwise preempt itself takes idle pinned
+blocks too. So the head of the queue is always admitted once nothing
+runs: `add_request` refused any request that needs more than the pool.
+A request's own lease ends with it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.config import EngineSettings
+from shared.engine.block_hash import BlockHash
+from shared.engine.block_pool import Block
 from shared.engine.leases import LeaseSet
+from shared.engine.pins import PinSet
 from shared.engine.prefix_cache import PrefixCache
 from shared.engine.request import Request, RequestStatus
 
@@ -31,10 +40,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, cache: PrefixCache, leases: LeaseSet | None = None) -> None:
+    def __init__(self, settings: EngineSettings, cache: PrefixCache, leases: LeaseSet | None = None,
+                 pins: PinSet | None = None) -> None:
         self.settings = settings
         self.cache = cache
         self.leases = leases if leases is not None else LeaseSet(cache)
+        self.pins = pins
         self.num_broken_leases = 0
         self.block_size = cache.block_size
         self.waiting: deque[Request] = deque()
@@ -79,7 +90,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             n = self._admit(self.waiting[0], budget)
             if n == 0 and not self.running:
-                n = self._admit_breaking_leases(self.waiting[0], budget)
+                n = self._admit_reclaiming(self.waiting[0], budget)
             if n == 0:
                 break
             req = self.waiting.popleft()
@@ -112,6 +123,8 @@ class Scheduler:
         """Give req blocks for n more tokens, preempting the newest requests if needed."""
         need = self._blocks_needed(req, n)
         while need > self.cache.num_allocatable:
+            if len(self.running) == 1 and self._yield_pins(need - self.cache.num_allocatable):
+                continue  # req runs alone: preempting it would leave the pool to pins
             victim = self.running[-1]
             self._preempt(victim)
             planned.pop(victim, None)
@@ -123,8 +136,9 @@ class Scheduler:
             req.blocks.extend(blocks)
         return True
 
-    def _admit(self, req: Request, budget: int) -> int:
-        """Attach the cached prefix and blocks for the first chunk; 0 if it does not fit now."""
+    def _plan(self, req: Request, budget: int) -> tuple[list[BlockHash], list[Block], int, int, int]:
+        """(hashes looked up, cached hit, tokens of the first chunk, fresh blocks it needs,
+        how many of those the pool cannot give now)."""
         bs = self.block_size
         # At least one token must be computed to get logits: never hit the whole sequence.
         max_hit_blocks = (req.num_tokens - 1) // bs if self.settings.enable_prefix_caching and req.use_cache else 0
@@ -134,9 +148,15 @@ class Scheduler:
         n = min(req.num_tokens - hit_tokens, budget)
         need = -(-(hit_tokens + n) // bs) - len(hit)
         reclaimed = sum(1 for b in hit if b.ref_count == 0)  # evictable now, in use once taken
-        if need > self.cache.num_allocatable - reclaimed:
+        return hashes, hit, n, need, max(0, need - (self.cache.num_allocatable - reclaimed))
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Attach the cached prefix and blocks for the first chunk; 0 if it does not fit now."""
+        hashes, _, n, need, short = self._plan(req, budget)
+        if short:
             return 0
-        hit = self.cache.acquire_prefix(hashes, req.token_ids)
+        hit = self.cache.acquire_prefix(hashes, req.token_ids)  # the same run `_plan` found
+        hit_tokens = len(hit) * self.block_size
         fresh = self.cache.allocate(need) if need > 0 else []
         assert fresh is not None
         req.blocks = hit + fresh
@@ -146,18 +166,26 @@ class Scheduler:
             req.cached_tokens = min(hit_tokens, req.num_prompt_tokens)
         return n
 
-    def _admit_breaking_leases(self, req: Request, budget: int) -> int:
-        """Nothing runs, so nothing will free a block: end leases, newest first and req's own last,
-        until req fits. A broken lease costs its request a recompute of what gets evicted."""
+    def _admit_reclaiming(self, req: Request, budget: int) -> int:
+        """Nothing runs, so nothing will free a block: unpin idle blocks, then end leases (newest first,
+        req's own last) until req fits. Either costs at most a recompute later, never a wrong answer."""
         order = [lease for lease in self.leases.newest_first() if lease != req.request_id]
         order += [req.request_id] if req.request_id in self.leases else []
-        for lease in order:
-            self.leases.release(lease)
+        while True:
+            _, hit, _, _, short = self._plan(req, budget)
+            if not short:
+                return self._admit(req, budget)
+            if self._yield_pins(short, frozenset(b.block_id for b in hit)) >= short:
+                continue
+            if not order:
+                break
+            self.leases.release(order.pop(0))
             self.num_broken_leases += 1
-            n = self._admit(req, budget)
-            if n:
-                return n
-        return 0
+        raise RuntimeError(f"request {req.request_id!r} cannot be admitted although nothing runs and no lease or pin "
+                           f"holds the pool ({self.cache.num_allocatable} of {self.cache.pool.num_blocks} allocatable)")
+
+    def _yield_pins(self, n: int, keep: frozenset[int] = frozenset()) -> int:
+        return self.pins.yield_idle(n, keep) if self.pins is not None else 0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -166,6 +166,28 @@ class LocalEvictionCollector(Collector):
         yield family
 
 
+class EnginePressureCollector(Collector):
+    """What the engine took back from advice so that requests could run, read at scrape time.
+
+    Pins and leases are advice: when nothing could run otherwise, the scheduler unpins idle pinned
+    blocks (`kvmesh_l1_pins_yielded_blocks`) and breaks leases of queued requests
+    (`kvmesh_l1_leases_broken`); it preempts running requests when the pool is short
+    (`kvmesh_engine_preemptions`, as vllm:num_preemptions). Each costs a recompute, never a wait.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        sched = self.engine.scheduler
+        yield CounterMetricFamily("kvmesh_l1_pins_yielded_blocks", "Pinned L1 blocks unpinned before their deadline "
+                                  "because a request could not run otherwise.", value=self.engine.pins.num_yielded)
+        yield CounterMetricFamily("kvmesh_l1_leases_broken", "Leases (blocks held for a queued request) ended because "
+                                  "the next request could not be admitted otherwise.", value=sched.num_broken_leases)
+        yield CounterMetricFamily("kvmesh_engine_preemptions", "Running requests preempted (recomputed later) for "
+                                  "want of KV blocks.", value=sched.num_preemptions)
+
+
 def export_worker_metrics(registry: CollectorRegistry, engine: Engine, tiers: WorkerTiers,
                           block_bytes: int) -> TierMetrics:
     """Register a worker's tier metrics on its registry: the per-chain counters (returned: the workers call
@@ -173,6 +195,7 @@ def export_worker_metrics(registry: CollectorRegistry, engine: Engine, tiers: Wo
     cache = engine.cache
     metrics = TierMetrics.create(registry, cache.block_size, block_bytes)
     registry.register(LocalEvictionCollector(lambda: cache.stats, lambda: tiers.l2))
+    registry.register(EnginePressureCollector(engine))
     if tiers.uploads is not None and tiers.l3 is not None:
         uploads, l3 = tiers.uploads, tiers.l3
         registry.register(UploadCollector(lambda: uploads.stats, lambda: l3.stats))
