@@ -128,3 +128,11 @@ def test_yield_idle_drops_the_furthest_deadline_first_tail_first() -> None:
     assert cache.num_evictable == before + 4 and pins.num_yielded == 4 and len(pins.ledger) == len(pins) == 6
     assert pins.yield_idle(10) == 4  # soon's last three and late's first: held stays
     assert len(pins) == 2 and all(h in pins for h in held)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once(loaded):
+    """More blocks than the whole pool (prompt + max_tokens): a clear error when added, never a queued wait."""
+    engine = _engine(loaded)
+    with pytest.raises(ValueError, match="more KV blocks than the pool"):
+        engine.add_request("huge", list(range(100, 100 + POOL * BS)), PARAMS)
+    assert not engine.has_unfinished()
