@@ -9,6 +9,7 @@ the return-time prediction error.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -49,6 +50,9 @@ def sim(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the sweep here (without --sweep: 1%..50%).")] = None,
     pin_fraction: Annotated[float | None, typer.Option(
         help="Share of L1 that session pins may hold (default: each policy's own; continuum: unbounded).")] = None,
+    decode_tokens_per_s: Annotated[float, typer.Option(
+        help="Decode rate that stamps a turn's end (its outcome event) after arrival: output_length / rate; "
+             "0: at arrival.")] = 50.0,
     geometry: Annotated[str, typer.Option(help="Model geometry of the TTFT model: 8b or 70b.")] = "8b",
     l2_gbps: Annotated[float | None, typer.Option(help="L2 -> GPU restore rate of the TTFT model, GB/s.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
@@ -69,6 +73,8 @@ def sim(
         raise typer.BadParameter(str(e)) from None
     if pin_fraction is not None and not 0.0 <= pin_fraction <= 1.0:
         raise typer.BadParameter("--pin-fraction must be in [0, 1]")
+    if decode_tokens_per_s < 0:
+        raise typer.BadParameter("--decode-tokens-per-s must be >= 0")
     if geometry not in ("8b", "70b"):
         raise typer.BadParameter("--geometry must be 8b or 70b")
     data = load_trace(trace)
@@ -82,13 +88,13 @@ def sim(
     curves = None
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(f"replay @ L1 {capacity} / L2 {l2} blocks", total=len(names) * len(data.requests))
+        base = ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction, decode_tokens_per_s=decode_tokens_per_s)
         results = run_all_tiers(data, names, capacity,
-                                ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction, ttft=model,
-                                              progress=lambda n: bar.advance(task, n)))
+                                replace(base, ttft=model, progress=lambda n: bar.advance(task, n)))
         if sweep or plot is not None:
             sweep_task = bar.add_task("L1 sweep", total=len(fractions) * len(names) * len(data.requests))
             curves = run_sweep(data, names, fractions, lambda n: bar.advance(sweep_task, n),
-                               options=ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction))
+                               options=base)
 
     if plot is not None and curves is not None:
         from shared.sim.plot import plot_sweep
@@ -114,6 +120,7 @@ def sim(
                                for n, r in results.items() if r.prediction_errors_s},
         "pinned_max_blocks": {n: r.pinned_max for n, r in results.items() if r.pinned_max},
         "pin_fraction": pin_fraction,
+        "decode_tokens_per_s": decode_tokens_per_s,
         "ttft_model": model.describe(),
     }
     if curves is not None:

@@ -105,10 +105,14 @@ class SessionBook:
         return self.turn_started(session_id, self.blocks_of(session_id), at)
 
     def turn_ended(self, session_id: str, at: float, outcome: TurnOutcome, tools: Sequence[str] = (),
-                   hint_s: float | None = None, hashes: Sequence[bytes] = ()) -> None:
-        """The turn ended (``hashes``: blocks it produced, if the caller knows them beyond the prompt)."""
-        self.advance(at)
-        self.predictor.turn_ended(session_id, at, outcome, tools, hint_s)
+                   hint_s: float | None = None, hashes: Sequence[bytes] = (), now: float | None = None) -> None:
+        """The turn ended (``hashes``: blocks it produced, if the caller knows them beyond the prompt).
+
+        ``now``: the clock, when the end is reported ahead of its stamp ``at`` (a replay that knows
+        the decode time); other sessions' checkpoints are then only advanced to ``now``.
+        """
+        self.advance(at if now is None else min(now, at))
+        self.predictor.turn_ended(session_id, at, outcome, tools, hint_s, now=now)
         s = self._session(session_id)
         if hashes:
             self.bind(session_id, hashes, at)

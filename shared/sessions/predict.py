@@ -155,9 +155,13 @@ class ReturnPredictor:
     # -- the interface ------------------------------------------------------
 
     def turn_ended(self, session_id: str, at: float, outcome: TurnOutcome, tools: Sequence[str] = (),
-                   hint_s: float | None = None) -> None:
-        """Session ``session_id``'s turn ended at ``at`` with ``outcome`` (``tools``: names it called)."""
-        self._mature(at)
+                   hint_s: float | None = None, now: float | None = None) -> None:
+        """Session ``session_id``'s turn ended at ``at`` with ``outcome`` (``tools``: names it called).
+
+        ``now``: the clock, if earlier than ``at`` (the end reported ahead of its stamp): turns are
+        counted as not returned only once the clock reaches their maturity, never on a future stamp.
+        """
+        self._mature(at if now is None else min(now, at))
         s = self._session(session_id)
         s.turns = max(s.turns, 1)
         if outcome is TurnOutcome.ENDED:

@@ -24,6 +24,9 @@ from shared.sim.ttft import TTFTModel
 
 Progress = Callable[[int], None]
 
+# The decode rate `kvmesh trace from-trajectories` stamps its turns with (--output-tokens-per-s).
+DEFAULT_DECODE_TOKENS_PER_S = 50.0
+
 
 @dataclass(slots=True, frozen=True)
 class ReplayResult:
@@ -54,6 +57,8 @@ class ReplayResult:
 class ReplayOptions:
     l2_capacity: int = 0
     pin_fraction: float | None = None  # session pins' share of L1 (None: the policy's own)
+    # a turn's end (its outcome event) comes this long per output token after arrival; 0: at arrival
+    decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S
     ttft: TTFTModel | None = None
     progress: Progress | None = None
     on_request: Callable[[int], None] | None = None  # before request i (an oracle follows the replay)
@@ -68,7 +73,8 @@ def replay(trace: Trace, policy: EvictionPolicy, capacity: int, progress: Progre
     on_request = on_request or opts.on_request
     cache = TieredCache(policy, capacity, opts.l2_capacity)
     opts.tiers.append(cache)
-    driver = SessionDriver(policy, cache, pin_fraction=opts.pin_fraction) if isinstance(policy, SessionAware) else None
+    driver = (SessionDriver(policy, cache, pin_fraction=opts.pin_fraction, decode_tokens_per_s=opts.decode_tokens_per_s)
+              if isinstance(policy, SessionAware) else None)
     hits = l1_hits = total = 0
     ttft: list[float] = []
     for i, request in enumerate(trace.requests):
