@@ -141,8 +141,10 @@ def summarize(calls: list[Call]) -> dict:
             "misses": misses(calls)}
 
 
-# What the session planner and the ingress did, from their /metrics (counters summed over labels).
-WATCHED = ("kvmesh_session_", "kvmesh_ingress_session_events")
+# What the session planner and the ingress did, and what the workers' engines took back from pins and
+# leases under pressure, from their /metrics (counters summed over labels).
+WATCHED = ("kvmesh_session_", "kvmesh_ingress_session_events", "kvmesh_l1_pins_yielded", "kvmesh_l1_leases_broken",
+           "kvmesh_engine_preemptions")
 
 
 def session_counters(state_dir: Path) -> dict[str, float]:
