@@ -104,3 +104,18 @@ def test_sim_tiers_ttft_and_sweep_on_an_agent_trace(tmp_path: Path) -> None:
     for n in names:
         curve = sweep["l1_hit_rate"][n]
         assert len(curve) == len(sweep["l1_fractions"]) and all(0.0 <= y <= 1.0 for y in curve)
+
+
+def test_sim_decode_rate_stamps_turn_ends(tmp_path: Path) -> None:
+    """The decode rate is reported, moves only session-aware policies' results, and must be >= 0."""
+    from tests.policy.agent_trace import write_agent_trace
+
+    trace = write_agent_trace(tmp_path / "agent.jsonl", sessions=30, seed=2)
+    args = ("--trace", str(trace), "--l1-fraction", "0.05", "--policy", "session", "--policy", "lru")
+    stamped, at_arrival = run_sim(*args), run_sim(*args, "--decode-tokens-per-s", "0")
+    assert stamped["decode_tokens_per_s"] == 50.0 and at_arrival["decode_tokens_per_s"] == 0.0
+    assert stamped["hit_rate"]["lru"] == at_arrival["hit_rate"]["lru"]
+    # the gap learnt shrinks by the decode time: the predictions differ
+    assert stamped["prediction_error_s"]["session"] != at_arrival["prediction_error_s"]["session"]
+    bad = CliRunner().invoke(app, ["sim", *args, "--decode-tokens-per-s", "-1"])
+    assert bad.exit_code != 0
