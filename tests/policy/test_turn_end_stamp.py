@@ -8,10 +8,10 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.cache_policy.session import SessionPolicy
 from shared.sessions.events import TurnOutcome
 from shared.sessions.predict import ReturnPredictor
 from shared.sim.replay import DEFAULT_DECODE_TOKENS_PER_S, ReplayOptions, replay
-from shared.cache_policy.session import SessionPolicy
 from shared.sim.trace import Trace, parse_line
 
 TOOL = TurnOutcome.TOOL_CALLS
