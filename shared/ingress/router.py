@@ -13,7 +13,11 @@ Prefill with a cache-index answer (`pick_prefill`) minimises the cost of
 shared/ingress/routing_cost.py (uncached tokens x measured rate + queue +
 fetch), among workers under a bounded-load cap (`load_bound` x the average
 load per worker, +1: consistent hashing with bounded loads), with the
-affinity home's cost lowered by `affinity_bonus_s`. Decode goes by load.
+affinity home's cost lowered by `affinity_bonus_s`. In a large fleet it prices
+the workers holding part of the prompt, the affinity home and a random sample
+of the rest (`sample_size`), and keeps what depends only on membership (live
+lists, homes) until a worker comes or goes, so a pick does not grow with the
+fleet. Decode goes by load.
 When the chosen worker's own L1/L2 run is shorter than another live
 worker's, `prefix_holder` names that worker: the PrefillJob carries it so
 prefill fetches the rest over the network peer path (the cost credited it).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,6 +43,8 @@ from shared.protocol.messages import Heartbeat, Role
 from shared.service.watch import Change, WorkerChange, follow_workers
 
 log = get_logger(__name__)
+
+HOME_CACHE = 65_536  # affinity keys whose home is kept (cleared whole when full, and on membership changes)
 
 
 @dataclass(slots=True)
@@ -54,28 +61,43 @@ class WorkerView:
 
 
 class WorkerTable:
-    """Live workers by id; fed by `run(js)` (or `apply` in tests)."""
+    """Live workers by id; fed by `run(js)` (or `apply` in tests).
 
-    __slots__ = ("_workers", "_changed")
+    `version` moves whenever the membership does (a worker up, down, or in another role), so the
+    router keeps what depends only on who is live (sorted lists, affinity homes) until it moves:
+    at 1,000 workers a heartbeat arrives every millisecond, a membership change rarely.
+    """
+
+    __slots__ = ("_workers", "_changed", "_live", "version")
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerView] = {}
         self._changed = asyncio.Event()
+        self._live: dict[Role, list[str]] = {}  # sorted ids per role, for this version
+        self.version = 0
 
     def apply(self, change: WorkerChange) -> None:
         if change.change is Change.DOWN:
             view = self._workers.pop(change.worker_id, None)
             if view is not None:
                 view.gone.set()
+                self._moved()
                 log.info("worker down", worker=change.worker_id, role=view.heartbeat.role)
         elif change.heartbeat is not None:
             view = self._workers.get(change.worker_id)
             if view is None:
                 self._workers[change.worker_id] = WorkerView(change.heartbeat)
+                self._moved()
                 log.info("worker up", worker=change.worker_id, role=change.heartbeat.role)
             else:
+                if view.heartbeat.role != change.heartbeat.role:
+                    self._moved()
                 view.heartbeat = change.heartbeat
         self._changed.set()
+
+    def _moved(self) -> None:
+        self.version += 1
+        self._live.clear()
 
     async def run(self, js: JetStreamContext) -> None:
         """Follow the bucket until cancelled."""
@@ -83,7 +105,14 @@ class WorkerTable:
             self.apply(change)
 
     def live(self, role: Role) -> list[str]:
-        return sorted(w for w, v in self._workers.items() if v.heartbeat.role == role)
+        return list(self.live_ids(role))
+
+    def live_ids(self, role: Role) -> list[str]:
+        """The sorted ids of live `role` workers; shared until the membership moves: do not modify."""
+        ids = self._live.get(role)
+        if ids is None:
+            ids = self._live[role] = sorted(w for w, v in self._workers.items() if v.heartbeat.role == role)
+        return ids
 
     def view(self, worker_id: str) -> WorkerView | None:
         return self._workers.get(worker_id)
@@ -139,7 +168,11 @@ class Router:
     rates: PrefillRates = field(default_factory=PrefillRates)
     affinity_bonus_s: float = 0.02
     load_bound: float = 1.5
+    sample_size: int = 32  # non-holders priced per prefill pick in a fleet larger than twice this
     _turns: dict[Role, int] = field(default_factory=dict)  # round_robin position per role
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))
+    _homes: dict[tuple[Role, str], str] = field(default_factory=dict)  # (role, affinity key) -> home, at `_version`
+    _version: int = -1
 
     @classmethod
     def of(cls, table: WorkerTable, s: IngressSettings) -> Router:
@@ -149,7 +182,8 @@ class Router:
     def pick(self, role: Role, affinity_key: str | None = None, exclude: Iterable[str] = ()) -> str | None:
         """A live worker of `role` not in `exclude` (or None); see the module docstring for the rule."""
         skip = set(exclude)
-        candidates = [w for w in self.table.live(role) if w not in skip]
+        live = self._live(role)
+        candidates = [w for w in live if w not in skip]
         if not candidates:
             return None
         if self.mode == "round_robin":
@@ -157,7 +191,7 @@ class Router:
             return candidates[turn % len(candidates)]
         views = {w: self.table.view(w) for w in candidates}
         if affinity_key:
-            preferred = home(affinity_key, candidates)
+            preferred = self._home(role, affinity_key, live, skip)
             view = views[preferred]
             if view is not None and view.score() <= self.overload_factor:
                 return preferred
@@ -165,33 +199,39 @@ class Router:
 
     def pick_prefill(self, prompt_tokens: int, block_size: int, reply: LookupReply | None,
                      affinity_key: str | None = None, exclude: Iterable[str] = ()) -> str | None:
-        """The prefill worker of least cost under the load cap; by load (`pick`) without an index answer."""
+        """The prefill worker of least cost under the load cap; by load (`pick`) without an index answer.
+
+        In a fleet larger than 2 x `sample_size` the candidates are the workers holding part of the
+        prompt, the affinity home and `sample_size` others drawn at random (the power of k choices:
+        workers holding none of the prompt differ only in load and rate, and the best of a random 32
+        is in the best few percent), so a pick costs O(holders + k), not O(fleet).
+        """
         if reply is None or self.mode != "cost":
             return self.pick(Role.PREFILL, affinity_key, exclude)
-        skip = set(exclude)
-        live = self.table.live(Role.PREFILL)
-        views = {w: v for w in live if w not in skip and (v := self.table.view(w))}
+        table, skip = self.table, set(exclude)
+        live = self._live(Role.PREFILL)
+        views = [v for w in live if w not in skip and (v := table.view(w))]
         if not views:
             return None
-        self.rates.forget(set(live))
-        queued = {w: v.queued() for w, v in views.items()}
-        cap = math.ceil(self.load_bound * (sum(queued.values()) + 1) / len(views))
-        eligible = [w for w, v in views.items() if queued[w] + 1 <= cap and v.score() <= self.overload_factor]
-        eligible = eligible or [min(views, key=lambda w: (views[w].score(), w))]
-        preferred = home(affinity_key, list(views)) if affinity_key else None
-        total_blocks = prompt_tokens // block_size
+        cap = math.ceil(self.load_bound * (sum(v.queued() for v in views) + 1) / len(views))
+        preferred = self._home(Role.PREFILL, affinity_key, live, skip) if affinity_key else None
         where = Placements(reply)
-        # Workers holding none of the prompt share one placement, so at 1,000 workers most costs repeat:
+        candidates = self._candidates(live, skip, reply, preferred)
+        eligible = [w for w in candidates if (v := table.view(w)).queued() + 1 <= cap and v.score() <= self.overload_factor]
+        if not eligible:
+            return min(views, key=lambda v: (v.score(), v.heartbeat.worker_id)).heartbeat.worker_id
+        total_blocks = prompt_tokens // block_size
+        # Workers holding none of the prompt share one placement, so most costs repeat:
         # they are computed once per (rate, load) and, with the rate, cost the same as `prefill_cost` says.
         priced: dict[tuple[float, float], float] = {}
 
         def cost(w: str) -> tuple[float, str]:
-            rate = self.rates.rate(w)
+            rate, queued = self.rates.rate(w), table.view(w).queued()
             if where.holds(w):
-                c = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks), rate, queued[w], self.costs)
-            elif (c := priced.get((rate, queued[w]))) is None:
-                c = priced[(rate, queued[w])] = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks),
-                                                             rate, queued[w], self.costs)
+                c = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks), rate, queued, self.costs)
+            elif (c := priced.get((rate, queued))) is None:
+                c = priced[(rate, queued)] = prefill_cost(prompt_tokens, block_size, where.of(w, total_blocks),
+                                                          rate, queued, self.costs)
             return (c - (self.affinity_bonus_s if w == preferred else 0.0), w)
 
         best = min(eligible, key=cost)
@@ -199,6 +239,35 @@ class Router:
                   holders=len(reply.workers), l3=reply.l3_blocks, blocks=total_blocks)
         return best
 
+    def _candidates(self, live: list[str], skip: set[str], reply: LookupReply, preferred: str | None) -> list[str]:
+        """Live prefill workers not in `skip` to price: all of them in a small fleet, else holders + home + a sample."""
+        if len(live) <= 2 * self.sample_size:
+            return [w for w in live if w not in skip]
+        picked = set(self._rng.sample(live, self.sample_size))
+        picked.update(m.worker for m in reply.workers)
+        if preferred is not None:
+            picked.add(preferred)
+        return sorted(w for w in picked - skip if (v := self.table.view(w)) and v.heartbeat.role == Role.PREFILL)
+
+    def _live(self, role: Role) -> list[str]:
+        """`table.live_ids(role)`, first dropping what was keyed by an older membership."""
+        if self._version != self.table.version:
+            self.rates.forget(set(self.table.live_ids(Role.PREFILL)))
+            self._homes.clear()
+            self._version = self.table.version
+        return self.table.live_ids(role)
+
+    def _home(self, role: Role, key: str, live: list[str], skip: set[str]) -> str | None:
+        """The rendezvous home of `key` among `live` workers of `role` not in `skip`; cached per membership
+        (a home is 1,000 hashes at 1,000 workers)."""
+        if skip:
+            rest = [w for w in live if w not in skip]
+            return home(key, rest) if rest else None
+        if (found := self._homes.get((role, key))) is None:
+            if len(self._homes) >= HOME_CACHE:
+                self._homes.clear()
+            found = self._homes[(role, key)] = home(key, live)
+        return found
 
     def prefix_holder(self, reply: LookupReply | None, worker: str, exclude: Iterable[str] = ()) -> str | None:
         """The live worker (any role, not `worker`, not excluded) holding the longest leading run of the

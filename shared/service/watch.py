@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -62,16 +63,16 @@ async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIte
     kv = await js.key_value(subjects.WORKERS_BUCKET)
     watcher = await kv.watchall()
     alive: dict[str, Heartbeat] = {}
-    seen: dict[str, _Seen] = {}
+    seen = _Seen()
     try:
         while True:
-            if lapsed := _lapsed(alive, seen):
+            if lapsed := seen.lapsed(time.monotonic()):
                 await _confirm_lapsed(kv, lapsed, seen)
                 for wid in lapsed:
-                    del seen[wid]
+                    seen.forget(wid)
                     yield WorkerChange(Change.DOWN, wid, alive.pop(wid))
             try:
-                entry = await watcher.updates(timeout=_until_next_lapse(alive, seen))
+                entry = await watcher.updates(timeout=seen.until_next_lapse(time.monotonic()))
             except nats.errors.TimeoutError:
                 continue
             if isinstance(entry, StopIterSentinel):
@@ -87,10 +88,52 @@ class StaleWatch(ConnectionError):
     """The watch stopped delivering (its consumer was lost, e.g. in a NATS restart) without saying so."""
 
 
-@dataclass(frozen=True, slots=True)
 class _Seen:
-    at: float  # monotonic time the worker's latest heartbeat arrived here
-    revision: int  # its sequence in the bucket's stream
+    """When each live worker's latest heartbeat arrived here, and when it lapses without another.
+
+    Lapse deadlines sit in a heap; a newer heartbeat leaves its predecessor's entry behind, dropped
+    when it reaches the top. So a heartbeat costs O(log n) and the next lapse is read off the top:
+    at 1,000 workers beating every second, scanning every worker per heartbeat was 10^6 steps/s.
+    """
+
+    __slots__ = ("_latest", "_revision", "_deadlines", "_count")
+
+    def __init__(self) -> None:
+        self._latest: dict[str, int] = {}  # worker -> number of its latest heartbeat here (its live heap entry)
+        self._revision: dict[str, int] = {}  # that heartbeat's sequence in the bucket's stream
+        self._deadlines: list[tuple[float, str, int]] = []  # (lapse time, worker, heartbeat number)
+        self._count = 0
+
+    def saw(self, wid: str, revision: int, ttl_s: float, now: float) -> None:
+        self._count += 1
+        self._latest[wid], self._revision[wid] = self._count, revision
+        heapq.heappush(self._deadlines, (now + ttl_s * LAPSE_FACTOR, wid, self._count))
+
+    def forget(self, wid: str) -> None:
+        self._latest.pop(wid, None)  # its heap entries go stale
+        self._revision.pop(wid, None)
+
+    def revision(self, wid: str) -> int:
+        return self._revision[wid]
+
+    def lapsed(self, now: float) -> list[str]:
+        """Workers with no heartbeat since their deadline; each is reported once (until seen again).
+
+        The server's expiry marker is the normal DOWN signal; this catches a marker the watcher never
+        saw (it was disconnected longer than the marker lived), from the heartbeat's own TTL.
+        """
+        out: list[str] = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, wid, n = heapq.heappop(self._deadlines)
+            if self._latest.get(wid) == n:
+                out.append(wid)
+        return out
+
+    def until_next_lapse(self, now: float) -> float:
+        heap = self._deadlines
+        while heap and self._latest.get(heap[0][1]) != heap[0][2]:
+            heapq.heappop(heap)
+        return min(_MAX_WAIT_S, max(0.05, heap[0][0] - now if heap else _MAX_WAIT_S))
 
 
 async def follow_workers(js: JetStreamContext, updates: bool = False,
@@ -138,10 +181,10 @@ async def _stop(watcher: KeyValue.KeyWatcher) -> None:
         await watcher.stop()
 
 
-def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, _Seen],
+def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: _Seen,
            updates: bool) -> list[WorkerChange]:
     if entry.operation in (KV_DEL, KV_PURGE):
-        seen.pop(entry.key, None)
+        seen.forget(entry.key)
         last = alive.pop(entry.key, None)
         return [WorkerChange(Change.DOWN, entry.key, last)] if last is not None else []
     try:
@@ -150,7 +193,8 @@ def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, _
         log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
         return []
     prev = alive.get(entry.key)
-    alive[entry.key], seen[entry.key] = hb, _Seen(time.monotonic(), entry.revision or 0)
+    alive[entry.key] = hb
+    seen.saw(entry.key, entry.revision or 0, hb.ttl_s, time.monotonic())
     if prev is None:
         return [WorkerChange(Change.UP, entry.key, hb)]
     if prev.started_at != hb.started_at:
@@ -158,28 +202,15 @@ def _apply(entry: KeyValue.Entry, alive: dict[str, Heartbeat], seen: dict[str, _
     return [WorkerChange(Change.UPDATE, entry.key, hb)] if updates else []
 
 
-def _lapsed(alive: dict[str, Heartbeat], seen: dict[str, _Seen]) -> list[str]:
-    # The server's expiry marker is the normal DOWN signal; this catches a marker the watcher
-    # never saw (it was disconnected longer than the marker lived) from the heartbeat's own TTL.
-    now = time.monotonic()
-    return [wid for wid, hb in alive.items() if now - seen[wid].at > hb.ttl_s * LAPSE_FACTOR]
-
-
-async def _confirm_lapsed(kv: KeyValue, lapsed: list[str], seen: dict[str, _Seen]) -> None:
+async def _confirm_lapsed(kv: KeyValue, lapsed: list[str], seen: _Seen) -> None:
     """Raise `StaleWatch` if the bucket has a newer heartbeat of any `lapsed` worker than the watch gave."""
     for wid in lapsed:
         try:
             latest = await kv.get(wid)
         except nats.js.errors.KeyNotFoundError:
             continue  # expired or deleted: down indeed
-        if (latest.revision or 0) > seen[wid].revision:
+        if (latest.revision or 0) > seen.revision(wid):
             raise StaleWatch(f"the bucket holds heartbeats of {wid} that the watch never delivered")
-
-
-def _until_next_lapse(alive: dict[str, Heartbeat], seen: dict[str, _Seen]) -> float:
-    now = time.monotonic()
-    waits = [seen[wid].at + hb.ttl_s * LAPSE_FACTOR - now for wid, hb in alive.items()]
-    return min(_MAX_WAIT_S, max(0.05, min(waits, default=_MAX_WAIT_S)))
 
 
 async def alive_workers(js: JetStreamContext) -> dict[str, Heartbeat]:

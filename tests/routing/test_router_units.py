@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -136,3 +137,31 @@ def test_prefix_holder_is_a_live_worker_of_any_role_with_a_longer_run():
                         l3_blocks=60, indexed_blocks=60, ready=True)
     assert router.prefix_holder(reply, "p1") is None  # d1's run is no longer than p1's own; "gone" is not live
     assert router.prefix_holder(held_by("d1", 21, Tier.L2), "p1") == "d1"
+
+
+def test_a_large_fleet_prices_a_sample_but_never_misses_a_holder_or_the_bound():
+    loads = {f"p{i:04d}": float(i % 4) for i in range(1000)}
+    table = table_of(loads)
+    router = Router.of(table, IngressSettings(load_bound=1.5))
+    assert router.pick_prefill(40 * BLOCK, BLOCK, held_by("p0997", 40)) == "p0997"  # load 1, but holds the prompt
+    cold = LookupReply(workers=[], l3_blocks=0, indexed_blocks=0, ready=True)
+    picks = [router.pick_prefill(40 * BLOCK, BLOCK, cold) for _ in range(200)]
+    assert all(loads[w] == 0.0 for w in picks)  # a sample of 32 has an idle worker (3/4 busy: miss p = 1e-4)
+    for _ in range(3000):  # requests that stay in flight: the bounded-load cap spreads them over the fleet
+        table.acquire(router.pick_prefill(40 * BLOCK, BLOCK, cold))
+    queued = [table.view(w).queued() for w in loads]
+    total = sum(queued)
+    assert max(queued) <= math.ceil(1.5 * total / len(loads)) + 1
+
+
+def test_affinity_home_is_cached_until_the_membership_moves():
+    table = table_of({f"p{i}": 0.0 for i in range(200)})
+    router = Router.of(table, IngressSettings())
+    key = "sess-1"
+    first = home(key, table.live(Role.PREFILL))
+    cold = LookupReply(workers=[], l3_blocks=0, indexed_blocks=0, ready=True)
+    assert router.pick_prefill(4 * BLOCK, BLOCK, cold, affinity_key=key) == first
+    table.apply(WorkerChange(Change.DOWN, first, None))  # its home leaves: the key moves to the next winner
+    assert router.pick_prefill(4 * BLOCK, BLOCK, cold, affinity_key=key) == home(key, table.live(Role.PREFILL))
+    assert router.pick_prefill(4 * BLOCK, BLOCK, cold, affinity_key=key, exclude=[home(key, table.live(Role.PREFILL))]) \
+        == home(key, [w for w in table.live(Role.PREFILL) if w != home(key, table.live(Role.PREFILL))])
