@@ -38,6 +38,7 @@ from shared.ingress.router import Router, WorkerTable
 from shared.log import configure_logging
 from shared.protocol import subjects
 from shared.protocol.messages import Role
+from shared.service.heap import freeze_startup_heap
 
 STATS = "bench.fleet.index.stats"
 ASSIGN = "bench.fleet.assign"
@@ -77,6 +78,7 @@ async def _index(url: str, out: Queue) -> None:
                                       **({"nbytes": s.index.nbytes(), "handled": handled} if msg.data == b"nbytes" else {})}).encode())
 
     await nc.subscribe(STATS, cb=stats)
+    freeze_startup_heap()  # as ServiceRunner does once a service is up
     out.put("ready")
     await asyncio.Event().wait()  # until the bench terminates this process
 
@@ -92,6 +94,7 @@ async def _eviction(url: str, l1_blocks: int, tick_s: float, out: Queue) -> None
     settings = EvictionSettings(tick_s=tick_s)
     service = EvictionService(nc, js, Publisher(js, BusSettings()), settings, l1_blocks)
     await service.start()
+    freeze_startup_heap()
     out.put("ready")
     await asyncio.Event().wait()
 
@@ -145,6 +148,7 @@ async def _ingress(url: str, workers: int, trace: list[tuple[float, int, list[by
             await asyncio.sleep(max(0.0, start + n / lookup_rate - time.perf_counter()))
         return n
 
+    freeze_startup_heap()
     out.put("ready")
     stop = asyncio.Event()
     prober = asyncio.create_task(probe(stop)) if lookup_rate > 0 else None

@@ -57,6 +57,7 @@ from shared.protocol import subjects
 from shared.protocol.base import Message
 from shared.protocol.messages import Role
 from shared.protocol.streams import ConsumerSpec
+from shared.service.heap import freeze_startup_heap
 from shared.service.heartbeat import HeartbeatLoop
 from shared.service.http import SideServer
 
@@ -115,8 +116,10 @@ Setup = Callable[[ServiceContext], Awaitable[None]]
 class ServiceRunner:
     """Runs one service until a signal (or `stop()`); see the module docstring for the contract."""
 
-    def __init__(self, name: str, role: Role, setup: Setup, settings: Settings | None = None) -> None:
+    def __init__(self, name: str, role: Role, setup: Setup, settings: Settings | None = None,
+                 freeze_heap: bool = False) -> None:
         self.name, self.role, self._setup = name, role, setup
+        self._freeze_heap = freeze_heap  # a process of its own: freeze its startup heap once up (heap.py)
         self.settings = settings or load_settings()
         self.worker_id = subjects.token(self.settings.service.worker_id or f"{name}-{os.getpid()}")
         self.metrics = ServiceMetrics.create(name)
@@ -174,7 +177,8 @@ class ServiceRunner:
                                       l1_capacity_blocks=ctx.l1_capacity_blocks,
                                       l2_capacity_blocks=ctx.l2_capacity_blocks)
             tasks.append(asyncio.create_task(heartbeat.run()))
-            log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id)
+            frozen = freeze_startup_heap() if self._freeze_heap else 0
+            log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id, frozen_objects=frozen)
             self._started.set()
             await self._stop.wait()
             log.info("draining", worker_id=self.worker_id)
@@ -213,7 +217,7 @@ class ServiceRunner:
 
 def run_service(name: str, role: Role, setup: Setup, settings: Settings | None = None) -> int:
     """Process entry point: configure logging, run the service, return the exit code."""
-    runner = ServiceRunner(name, role, setup, settings)
+    runner = ServiceRunner(name, role, setup, settings, freeze_heap=True)
     configure_logging(runner.settings.log_level, service=name, worker_id=runner.worker_id)
     return asyncio.run(runner.run())
 
