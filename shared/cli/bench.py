@@ -203,13 +203,14 @@ def fleet(
     churn: Annotated[int, typer.Option(min=0, help="Worker ids started and stopped (consumers left after).")] = 200,
     heartbeat_s: Annotated[float, typer.Option(min=0.2, help="Emulated workers' heartbeat interval.")] = 1.0,
     fetch_timeout_s: Annotated[float, typer.Option(min=0.1, help="Emulated workers' idle consumer poll.")] = 1.0,
+    emulator_nice: Annotated[int, typer.Option(min=0, max=19, help="Nice of the emulated fleet once the services are up (0: equal priority).")] = 10,
 ) -> None:
     """N emulated workers' heartbeats, KV events and commands vs the real index, eviction and router."""
     from bench.fleet import DEFAULT_TRACE, FleetBenchConfig, run_fleet_bench
 
     cfg = FleetBenchConfig(workers=tuple(int(w) for w in workers.split(",") if w.strip()), trace=trace or DEFAULT_TRACE,
                            requests=requests, speed=speed, lookup_rate=lookup_rate, l1_blocks=l1_blocks, churn=churn,
-                           heartbeat_s=heartbeat_s, fetch_timeout_s=fetch_timeout_s)
+                           heartbeat_s=heartbeat_s, fetch_timeout_s=fetch_timeout_s, emulator_nice=emulator_nice)
     typer.echo(json.dumps(run_fleet_bench(cfg), indent=None if json_out else 2))
 
 

@@ -29,7 +29,7 @@ def test_bench_fleet_small_runs_and_reports(tmp_path):
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert [r["workers"] for r in out["rows"]] == [5, 20]
-    assert out["config"]["requests"] == 12
+    assert out["config"]["requests"] == 12 and out["config"]["emulator_nice"] == 10
     for row in out["rows"]:
         assert row["lookup_p99_ms"] > 0 and row["lookup_failures"] == 0
         assert row["lookup_nats"]["n"] >= 12 and row["routing_decision"]["p99_ms"] > 0
