@@ -120,7 +120,10 @@ class EngineLoop:
         return self._loop.create_future()
 
     def _run(self) -> None:
-        stalled = False  # the last step scheduled nothing although requests wait (pool held by pins)
+        # The last step reported nothing, nothing runs and requests wait: wait for a command rather than spin.
+        # (The scheduler admits the head of the queue whenever nothing runs, taking pins and leases back,
+        # so this is a safety net, not a state the engine stays in.)
+        stalled = False
         while not self._stop.is_set():
             idle = stalled or (not self.engine.has_unfinished() and not self._background)
             try:
@@ -136,8 +139,8 @@ class EngineLoop:
                 self._apply(self._background.popleft())
             stalled = False
             if self.engine.has_unfinished():
-                self._step()
-                stalled = not self.engine.scheduler.running and self.engine.has_unfinished()
+                reported = self._step()
+                stalled = not reported and not self.engine.scheduler.running and self.engine.has_unfinished()
 
     def _next_nowait(self):
         try:
@@ -178,7 +181,8 @@ class EngineLoop:
         self._running[spec.request_id] = running
         self._count_active()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; whether it reported any output (a request that finished in it counts)."""
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a broken step fails every request in it, not the thread
@@ -189,7 +193,7 @@ class EngineLoop:
             self.engine.step()  # collect the aborts
             self._running.clear()
             self.active = 0
-            return
+            return True
         for out in outputs:
             running = self._running.get(out.request_id)
             if running is None:
@@ -199,6 +203,7 @@ class EngineLoop:
                 del self._running[out.request_id]
                 self._count_active()
                 self._settle(running.done, result=out)
+        return bool(outputs)
 
     def _count_active(self) -> None:
         self.active = sum(1 for r in self._running.values() if r.live)
