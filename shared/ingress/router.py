@@ -68,12 +68,13 @@ class WorkerTable:
     at 1,000 workers a heartbeat arrives every millisecond, a membership change rarely.
     """
 
-    __slots__ = ("_workers", "_changed", "_live", "version")
+    __slots__ = ("_workers", "_changed", "_live", "_queued", "version")
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerView] = {}
         self._changed = asyncio.Event()
         self._live: dict[Role, list[str]] = {}  # sorted ids per role, for this version
+        self._queued: dict[Role, float] = {}  # sum of `queued()` over the role's live workers, kept as they change
         self.version = 0
 
     def apply(self, change: WorkerChange) -> None:
@@ -89,15 +90,26 @@ class WorkerTable:
                 self._workers[change.worker_id] = WorkerView(change.heartbeat)
                 self._moved()
                 log.info("worker up", worker=change.worker_id, role=change.heartbeat.role)
+            elif view.heartbeat.role != change.heartbeat.role:
+                view.heartbeat = change.heartbeat
+                self._moved()
             else:
-                if view.heartbeat.role != change.heartbeat.role:
-                    self._moved()
+                role = view.heartbeat.role
+                self._queued[role] = self._queued.get(role, 0.0) + change.heartbeat.load - view.heartbeat.load
                 view.heartbeat = change.heartbeat
         self._changed.set()
 
     def _moved(self) -> None:
         self.version += 1
         self._live.clear()
+        self._queued = {}  # summed afresh (no float drift survives a membership change)
+        for view in self._workers.values():
+            role = view.heartbeat.role
+            self._queued[role] = self._queued.get(role, 0.0) + view.queued()
+
+    def queued_total(self, role: Role) -> float:
+        """Heartbeat load + this ingress's in-flight, summed over the live workers of `role`."""
+        return self._queued.get(role, 0.0)
 
     async def run(self, js: JetStreamContext) -> None:
         """Follow the bucket until cancelled."""
@@ -129,10 +141,14 @@ class WorkerTable:
     def acquire(self, worker_id: str) -> None:
         if (view := self._workers.get(worker_id)) is not None:
             view.in_flight += 1
+            role = view.heartbeat.role
+            self._queued[role] = self._queued.get(role, 0.0) + 1
 
     def release(self, worker_id: str) -> None:
         if (view := self._workers.get(worker_id)) is not None and view.in_flight > 0:
             view.in_flight -= 1
+            role = view.heartbeat.role
+            self._queued[role] = self._queued.get(role, 0.0) - 1
 
     async def wait_for(self, role: Role, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a live worker of `role`; True if there is one."""
@@ -210,16 +226,18 @@ class Router:
             return self.pick(Role.PREFILL, affinity_key, exclude)
         table, skip = self.table, set(exclude)
         live = self._live(Role.PREFILL)
-        views = [v for w in live if w not in skip and (v := table.view(w))]
-        if not views:
+        skipped = [v for w in skip if (v := table.view(w)) and v.heartbeat.role == Role.PREFILL]
+        count = len(live) - len(skipped)
+        if count <= 0:
             return None
-        cap = math.ceil(self.load_bound * (sum(v.queued() for v in views) + 1) / len(views))
+        queued_total = table.queued_total(Role.PREFILL) - sum(v.queued() for v in skipped)
+        cap = math.ceil(self.load_bound * (queued_total + 1) / count)
         preferred = self._home(Role.PREFILL, affinity_key, live, skip) if affinity_key else None
         where = Placements(reply)
         candidates = self._candidates(live, skip, reply, preferred)
         eligible = [w for w in candidates if (v := table.view(w)).queued() + 1 <= cap and v.score() <= self.overload_factor]
         if not eligible:
-            return min(views, key=lambda v: (v.score(), v.heartbeat.worker_id)).heartbeat.worker_id
+            return min((w for w in live if w not in skip), key=lambda w: (table.view(w).score(), w))
         total_blocks = prompt_tokens // block_size
         # Workers holding none of the prompt share one placement, so most costs repeat:
         # they are computed once per (rate, load) and, with the rate, cost the same as `prefill_cost` says.

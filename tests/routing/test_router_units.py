@@ -7,6 +7,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared.cache_index.messages import LookupReply, TierRun, WorkerMatch
 from shared.config import IngressSettings
@@ -165,3 +167,23 @@ def test_affinity_home_is_cached_until_the_membership_moves():
     assert router.pick_prefill(4 * BLOCK, BLOCK, cold, affinity_key=key) == home(key, table.live(Role.PREFILL))
     assert router.pick_prefill(4 * BLOCK, BLOCK, cold, affinity_key=key, exclude=[home(key, table.live(Role.PREFILL))]) \
         == home(key, [w for w in table.live(Role.PREFILL) if w != home(key, table.live(Role.PREFILL))])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["up", "down", "beat", "acquire", "release"]), st.integers(0, 5),
+                          st.sampled_from([Role.PREFILL, Role.DECODE]), st.integers(0, 8)), max_size=60))
+def test_queued_total_is_the_sum_over_live_workers(ops):
+    table = WorkerTable()
+    for op, i, role, load in ops:
+        w = f"w{i}"
+        hb = Heartbeat(worker_id=w, role=role, load=load, capacity=8, started_at=datetime.now(UTC),
+                       http_endpoint="http://127.0.0.1:1", seq=0, ttl_s=2)
+        if op == "down":
+            table.apply(WorkerChange(Change.DOWN, w, None))
+        elif op in ("up", "beat"):
+            table.apply(WorkerChange(Change.UP if op == "up" else Change.UPDATE, w, hb))
+        else:
+            (table.acquire if op == "acquire" else table.release)(w)
+        for r in (Role.PREFILL, Role.DECODE):
+            expected = sum(table.view(x).queued() for x in table.live(r))
+            assert table.queued_total(r) == pytest.approx(expected)
