@@ -235,7 +235,8 @@ class Router:
         preferred = self._home(Role.PREFILL, affinity_key, live, skip) if affinity_key else None
         where = Placements(reply)
         candidates = self._candidates(live, skip, reply, preferred)
-        eligible = [w for w in candidates if (v := table.view(w)).queued() + 1 <= cap and v.score() <= self.overload_factor]
+        eligible = [w for w in candidates
+                    if (v := table.view(w)).queued() + 1 <= cap and v.score() <= self.overload_factor]
         if not eligible:
             return min((w for w in live if w not in skip), key=lambda w: (table.view(w).score(), w))
         total_blocks = prompt_tokens // block_size
