@@ -328,8 +328,10 @@ def run_fleet_bench(cfg: FleetBenchConfig) -> dict:
         size.start()
         try:
             row = q.get(timeout=3600)
+            size.join(timeout=120)  # it stops its nats-server and service processes itself
         finally:
-            size.terminate()
+            if size.is_alive():
+                size.terminate()
             size.join()
         if isinstance(row, str):
             raise RuntimeError(f"fleet size {n} failed:\n{row}")
