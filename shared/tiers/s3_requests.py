@@ -10,8 +10,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-import urllib3
 from minio import Minio
+
+from shared.tiers.s3_client import fast_fail_pool
 
 
 class CountingMinio(Minio):
@@ -40,8 +41,7 @@ class CountingMinio(Minio):
 def counting_client(endpoint: str, access_key: str, secret_key: str, secure: bool = False,
                     pool_size: int = 16) -> CountingMinio:
     """Like `fast_fail_client` (no SDK retries), counting; the region is fixed so no location lookup is sent."""
-    pool = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=30.0),
-                               retries=urllib3.Retry(total=0, connect=0, read=0, redirect=0), maxsize=pool_size)
+    pool = fast_fail_pool(read_timeout_s=30.0, maxsize=pool_size)
     return CountingMinio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure,
                          http_client=pool, region="us-east-1")
 

@@ -37,6 +37,15 @@ WORKER_STREAMS = (JOBS.name, HANDOFF.name, COMMANDS.name)
 SHARED_NAMES = {c.durable for c in ALL_CONSUMERS if c.stream in WORKER_STREAMS}  # the `any` queues
 
 
+async def _running_loop(js: JetStreamContext, spec, handler, bus) -> tuple[ConsumerLoop, asyncio.Task]:
+    """A ConsumerLoop on `spec` running in a task, once its consumer is bound."""
+    metrics = ServiceMetrics.create("test")
+    loop = ConsumerLoop(js, spec, handler, Publisher(js, bus, metrics), metrics, bus, 5.0)
+    task = asyncio.create_task(loop.run())
+    await loop.wait_ready()
+    return loop, task
+
+
 async def _names(js: JetStreamContext) -> set[str]:
     return {c.name for stream in WORKER_STREAMS for c in await js.consumers_info(stream)}
 
@@ -103,10 +112,7 @@ async def test_busy_worker_keeps_its_consumer_past_the_threshold(fresh_nats_serv
 
     async with connected(url) as nc:
         js = nc.jetstream()
-        metrics = ServiceMetrics.create("test")
-        loop = ConsumerLoop(js, busy_spec, hold, Publisher(js, bus, metrics), metrics, bus, 5.0)
-        task = asyncio.create_task(loop.run())
-        await loop.wait_ready()
+        loop, task = await _running_loop(js, busy_spec, hold, bus)
         await js.publish(subjects.jobs_prefill("busy"), b"{}", headers={subjects.HDR_MSG_ID: unique()})
         await asyncio.wait_for(taken.wait(), 10)
         await declare_consumer(js, idle_spec, inactive_threshold_s=1.0)  # declared once, never fetched from
@@ -135,10 +141,7 @@ async def test_consumer_deleted_under_a_running_loop_is_declared_again(fresh_nat
 
     async with connected(url) as nc:
         js = nc.jetstream()
-        metrics = ServiceMetrics.create("test")
-        loop = ConsumerLoop(js, spec, handle, Publisher(js, LONG, metrics), metrics, LONG, 5.0)
-        task = asyncio.create_task(loop.run())
-        await loop.wait_ready()
+        loop, task = await _running_loop(js, spec, handle, LONG)
         await js.delete_consumer(JOBS.name, spec.durable)  # expired during a partition, or by an operator
         await js.publish(subjects.jobs_decode("d-again"), b"after", headers={subjects.HDR_MSG_ID: unique()})
         await eventually(lambda: got == [b"after"], 30, "the job published after the deletion is handled")
