@@ -78,6 +78,7 @@ async def _index(url: str, out: Queue) -> None:
                                       **({"nbytes": s.index.nbytes(), "handled": handled} if msg.data == b"nbytes" else {})}).encode())
 
     await nc.subscribe(STATS, cb=stats)
+    await nc.flush()  # the server has our subscriptions before the bench asks (else: no responders)
     freeze_startup_heap()  # as ServiceRunner does once a service is up
     out.put("ready")
     await asyncio.Event().wait()  # until the bench terminates this process
@@ -94,6 +95,7 @@ async def _eviction(url: str, l1_blocks: int, tick_s: float, out: Queue) -> None
     settings = EvictionSettings(tick_s=tick_s)
     service = EvictionService(nc, js, Publisher(js, BusSettings()), settings, l1_blocks)
     await service.start()
+    await nc.flush()
     freeze_startup_heap()
     out.put("ready")
     await asyncio.Event().wait()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 
+from shared.aio import wait_event
 from shared.cache_index.messages import LookupReply
 from shared.config import IngressSettings
 from shared.ingress.prefill_rates import PrefillRates
@@ -159,9 +160,7 @@ class WorkerTable:
             if left <= 0:
                 return False
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
+            if not await wait_event(self._changed, left):
                 return False
         return True
 

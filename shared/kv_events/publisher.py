@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
+from shared.aio import wait_event
 from shared.bus.publish import Publisher
 from shared.config import IndexSettings
 from shared.engine.block_hash import BlockHash
@@ -127,10 +128,7 @@ class KVEventPublisher:
             if batch is None:
                 if self._stopping:
                     return
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+                await wait_event(self._wake, 1.0)
                 await asyncio.sleep(self.settings.flush_interval_s)  # let a burst gather into one batch
                 continue
             try:

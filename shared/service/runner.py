@@ -167,6 +167,7 @@ class ServiceRunner:
                                             Publisher(js, s.bus, self.metrics), self.metrics)
             await self._setup(ctx)
             subs = [await serve(nc, e.subject, e.request_model, e.handler, e.queue) for e in ctx.endpoints]
+            await nc.flush()  # the server holds the endpoints' subscriptions before anyone is told we are ready
             consumer_tasks = [asyncio.create_task(c.run()) for c in ctx.consumers]
             tasks += consumer_tasks
             await asyncio.gather(*(_bound(c, t) for c, t in zip(ctx.consumers, consumer_tasks, strict=True)))

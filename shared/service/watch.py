@@ -28,8 +28,9 @@ from enum import StrEnum
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue, StopIterSentinel
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from shared.aio import next_within
 from shared.log import get_logger
 from shared.protocol import subjects
 from shared.protocol.base import ProtocolError
@@ -72,10 +73,10 @@ async def watch_workers(js: JetStreamContext, updates: bool = False) -> AsyncIte
                     seen.forget(wid)
                     yield WorkerChange(Change.DOWN, wid, alive.pop(wid))
             try:
-                entry = await watcher.updates(timeout=seen.until_next_lapse(time.monotonic()))
-            except nats.errors.TimeoutError:
+                entry = await next_within(watcher, seen.until_next_lapse(time.monotonic()))
+            except TimeoutError:
                 continue
-            if isinstance(entry, StopIterSentinel):
+            except StopAsyncIteration:
                 return
             if entry is not None:  # None marks the end of the initial snapshot
                 for change in _apply(entry, alive, seen, updates):
@@ -219,11 +220,13 @@ async def alive_workers(js: JetStreamContext) -> dict[str, Heartbeat]:
     watcher = await kv.watchall(ignore_deletes=True)
     alive: dict[str, Heartbeat] = {}
     try:
-        while (entry := await watcher.updates(timeout=5.0)) is not None:
+        while (entry := await next_within(watcher, 5.0)) is not None:
             try:
                 alive[entry.key] = Heartbeat.from_bytes(entry.value or b"")
             except ProtocolError as exc:
                 log.warning("unreadable heartbeat ignored", key=entry.key, error=str(exc))
+    except StopAsyncIteration:
+        raise StaleWatch("the heartbeat watch ended before its snapshot did") from None
     finally:
         await _stop(watcher)
     return alive

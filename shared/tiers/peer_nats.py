@@ -28,6 +28,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from shared.aio import wait_event
 from shared.log import get_logger
 from shared.transfer.credit_window import CreditWindow, TransferCancelled
 from shared.transfer.links import Link, NatsPyLink, open_link
@@ -246,9 +247,8 @@ class NatsPeerClient:
                 await link.publish(peer_fetch_subject(worker_id), [encode_request(hashes, window)], reply=inbox)
                 while not t.assembly.done and not t.error:
                     t.progress.clear()
-                    await asyncio.wait_for(t.progress.wait(), self.timeout_s)
-            except TimeoutError:
-                t.error = f"no reply for {self.timeout_s}s"
+                    if not await wait_event(t.progress, self.timeout_s):
+                        t.error = f"no reply for {self.timeout_s}s"
             except (NatsError, ConnectionError) as exc:
                 t.error = repr(exc)
             finally:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shared.aio import wait_event
 from shared.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
 
 _CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
@@ -166,10 +167,7 @@ class UploadQueue:
         self._draining += 1
         self._wake.set()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
+            return await wait_event(self._idle, timeout_s)
         finally:
             self._draining -= 1
 
@@ -278,11 +276,7 @@ class UploadQueue:
                 continue
             self._wake.clear()
             first_due = next(iter(self._waiting.values())).due if self._waiting else None
-            try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       None if first_due is None else max(0.0, first_due - time.monotonic()))
-            except TimeoutError:
-                pass
+            await wait_event(self._wake, None if first_due is None else max(0.0, first_due - time.monotonic()))
 
     async def _upload(self, chunk: _Chunk) -> None:
         """Land one chunk, retrying while S3 is unavailable; set its state."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+from shared.aio import wait_event
+
 
 class TransferCancelled(Exception):
     """The receiver said it no longer wants the rest."""
@@ -38,7 +40,8 @@ class CreditWindow:
                 self.sent += size
                 return
             self._moved.clear()
-            await asyncio.wait_for(self._moved.wait(), stall_s)
+            if not await wait_event(self._moved, stall_s):
+                raise TimeoutError(f"no credit for {stall_s}s")
 
     def credit(self, received: int, cancel: bool = False) -> None:
         self.received = max(self.received, received)

@@ -1,0 +1,64 @@
+"""Timed waits keep a cancel that arrives in the same loop turn as their result (asyncio.wait_for on 3.11 drops it)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from shared.aio import next_within, wait_event
+
+
+async def _queue_items(q: asyncio.Queue[int]):
+    while True:
+        yield await q.get()
+
+
+async def _cancel_as_it_arrives(waiting, arrive) -> asyncio.Task:
+    task = asyncio.create_task(waiting)
+    await asyncio.sleep(0)  # the task is now parked in its wait
+    arrive()  # the awaited result lands ...
+    task.cancel()  # ... and the owner stops the task in the same turn
+    await asyncio.wait({task})
+    return task
+
+
+async def test_wait_event_keeps_a_cancel_that_races_the_event():
+    event = asyncio.Event()
+    task = await _cancel_as_it_arrives(wait_event(event, 5.0), event.set)
+    assert task.cancelled()
+
+
+async def test_next_within_keeps_a_cancel_that_races_the_item():
+    q: asyncio.Queue[int] = asyncio.Queue()
+    task = await _cancel_as_it_arrives(next_within(_queue_items(q), 5.0), lambda: q.put_nowait(1))
+    assert task.cancelled()
+    assert q.qsize() == 1  # the item is not lost to the cancelled wait
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="wait_for keeps the cancel from 3.12 on")
+async def test_the_race_is_real_for_wait_for():
+    """Why the helpers exist: on this Python, asyncio.wait_for returns the result and the cancel is lost."""
+    event = asyncio.Event()
+    task = await _cancel_as_it_arrives(asyncio.wait_for(event.wait(), 5.0), event.set)
+    assert not task.cancelled() and task.result() is True
+
+
+async def test_timeouts_and_results():
+    event = asyncio.Event()
+    assert await wait_event(event, 0.01) is False
+    event.set()
+    assert await wait_event(event, None) is True
+    q: asyncio.Queue[int] = asyncio.Queue()
+    with pytest.raises(TimeoutError):
+        await next_within(_queue_items(q), 0.01)
+    q.put_nowait(7)
+    assert await next_within(_queue_items(q), 1.0) == 7
+
+    async def empty():
+        return
+        yield
+
+    with pytest.raises(StopAsyncIteration):
+        await next_within(empty(), 1.0)
