@@ -1,14 +1,16 @@
 """A worker's heartbeat: its `Heartbeat` written into the `workers` KV bucket every interval.
 
-Each write carries a per-message TTL (`Nats-TTL`, nats-server 2.11+): if the
-process stops writing (crash, partition), the entry expires `ttl_s` after the
-last write and the server leaves a delete marker that watchers see as the
-worker going down. A graceful stop deletes the key at once.
+Beats are jittered (see `HeartbeatLoop.run`). Each write carries a per-message
+TTL (`Nats-TTL`, nats-server 2.11+): if the process stops writing (crash,
+partition), the entry expires `ttl_s` after the last write and the server
+leaves a delete marker that watchers see as the worker going down. A graceful
+stop deletes the key at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from datetime import UTC, datetime
 
 from nats.js import JetStreamContext
 
+from shared.aio import wait_event
 from shared.log import get_logger
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
@@ -73,15 +76,22 @@ class HeartbeatLoop:
         self._last_ok = time.monotonic()
 
     async def run(self) -> None:
+        """Beat at once, then at a random phase, then every 0.9-1.0 intervals.
+
+        Without the jitter, workers started together (a rollout, a bench's batch of emulated workers,
+        a fleet reconnecting after an outage) beat in lockstep: every watcher then takes the fleet's
+        heartbeats in one burst per interval, and whatever else its loop serves (lookups, routing)
+        waits behind it. A wait is never longer than the interval, so the TTL margin is unchanged.
+        """
+        rng = random.Random()  # jitter only; nothing is derived from it
+        wait = self.interval_s * rng.random()
         while not self._stop.is_set():
             try:
                 await self.beat()
             except Exception as exc:  # noqa: BLE001 - a missed beat is survivable; the TTL decides
                 log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
-            try:
-                await asyncio.wait_for(self._stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+            await wait_event(self._stop, wait)
+            wait = self.interval_s * (0.9 + 0.1 * rng.random())
 
     def stop(self) -> None:
         """Stop writing; the entry then expires after the TTL (what a crash looks like to watchers)."""
