@@ -15,7 +15,8 @@ Each size runs in a process of its own, which lowers its priority
 fleet stands for N other machines, and on a 2-core box it would otherwise
 take the cores the services under test answer on (measured: the index and
 ingress event loops both stalled 25-50 ms at once while it ran the replay's
-stores). Measured: lookup p99 over NATS, routing decision p50/p99, the index's lag
+stores). Measured: lookup p99 over NATS and where it goes (`lookup_legs`: to the
+index's handler, in it, back), routing decision p50/p99, the index's lag
 behind KV_EVENTS during the replay and its ingest rate (a fresh replica
 reading the stream: events/s) against 10 x the trace's event rate,
 eviction advice latency (a worker's L1 pushed over the high watermark ->
@@ -27,6 +28,7 @@ and stop. One row per N; `growth` divides the last row by the first.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import json
 import multiprocessing as mp
@@ -103,6 +105,26 @@ def _pct(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {"p50_ms": round(s[len(s) // 2] * 1e3, 3), "p99_ms": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 3),
             "n": len(s)}
+
+
+def lookup_legs(round_trips: list[list[float]], spans: list[list[float]]) -> dict[str, dict[str, float]]:
+    """Where a lookup's time goes: to the index's handler, in it, and back to the asker.
+
+    Both processes stamp the machine's monotonic clock; a round trip is matched to the one handler
+    span that lies inside it (round trips overlapped by another's span are left out).
+    """
+    spans = sorted(spans)
+    starts = [s for s, _ in spans]
+    legs: dict[str, list[float]] = {"to_index": [], "in_index": [], "back": []}
+    for sent, answered in round_trips:
+        i = bisect.bisect_left(starts, sent)
+        inside = [(s, e) for s, e in spans[i:i + 3] if e <= answered]
+        if len(inside) == 1:
+            (s, e), = inside
+            legs["to_index"].append(s - sent)
+            legs["in_index"].append(e - s)
+            legs["back"].append(answered - e)
+    return {k: _pct(v) for k, v in legs.items()}
 
 
 def _monitor(port: int, path: str) -> dict:
@@ -193,6 +215,7 @@ class _Run:
             "lookup_p99_ms": _pct(ingress["lookups"])["p99_ms"],
             "lookup_nats": _pct(ingress["lookups"]),
             "lookup_in_index_cpu": _pct(stats["handled"]),
+            "lookup_legs": lookup_legs(ingress["round_trips"], stats["spans"]),
             "lookup_failures": ingress["lookup_failures"],
             "routing_decision": _pct(ingress["decisions"]),
             "probe_lookups_per_s": round(ingress["probe_rate"], 1),

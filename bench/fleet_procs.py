@@ -62,11 +62,13 @@ async def _index(url: str, out: Queue) -> None:
                                              snapshot_name="fleet-bench"))
     await index.start()
     handled: list[float] = []  # this process's CPU time per lookup (the handler: parse, walk, reply model)
+    spans: list[tuple[float, float]] = []  # (start, end) of each lookup handler, on the machine's monotonic clock
 
     async def lookup(req: LookupRequest) -> LookupReply:
-        t = time.thread_time()
+        t, start = time.thread_time(), time.monotonic()
         reply = await index.lookup(req)
         handled.append(time.thread_time() - t)
+        spans.append((start, time.monotonic()))
         return reply
 
     await serve(nc, subjects.INDEX_LOOKUP, LookupRequest, lookup, queue="cache-index")
@@ -75,7 +77,8 @@ async def _index(url: str, out: Queue) -> None:
         s = index.state
         await msg.respond(json.dumps({"stream_seq": s.stream_seq, "events_applied": s.events_applied,
                                       "blocks": len(s.index), "rss": rss_bytes(),
-                                      **({"nbytes": s.index.nbytes(), "handled": handled} if msg.data == b"nbytes" else {})}).encode())
+                                      **({"nbytes": s.index.nbytes(), "handled": handled, "spans": spans}
+                                         if msg.data == b"nbytes" else {})}).encode())
 
     await nc.subscribe(STATS, cb=stats)
     await nc.flush()  # the server has our subscriptions before the bench asks (else: no responders)
@@ -118,19 +121,21 @@ async def _ingress(url: str, workers: int, trace: list[tuple[float, int, list[by
     settings = IngressSettings()
     router = Router.of(table, settings)
     lookups: list[float] = []
+    round_trips: list[tuple[float, float]] = []  # (sent, answered), monotonic: matched to the index's spans
     decisions: list[float] = []
     failed = [0]
 
     async def route(prompt_tokens: int, chain: list[bytes]) -> str | None:
-        t = time.perf_counter()
+        t = time.monotonic()
         reply = await lookup_prefix(nc, chain, timeout_s=2.0)
-        t1 = time.perf_counter()
+        t1 = time.monotonic()
         worker = router.pick_prefill(prompt_tokens, BLOCK_TOKENS, reply)
         decisions.append(time.perf_counter() - t1)
         if reply is None:
             failed[0] += 1
         else:
             lookups.append(t1 - t)
+            round_trips.append((t, t1))
         return worker
 
     async def replay_one(i: int, prompt_tokens: int, chain: list[bytes]) -> None:
@@ -165,5 +170,5 @@ async def _ingress(url: str, workers: int, trace: list[tuple[float, int, list[by
     await nc.flush()
     follow.cancel()
     await nc.close()
-    return {"lookups": lookups, "decisions": decisions, "lookup_failures": failed[0], "replay_s": replay_s,
+    return {"lookups": lookups, "round_trips": round_trips, "decisions": decisions, "lookup_failures": failed[0], "replay_s": replay_s,
             "probes": probes, "probe_rate": probes / replay_s if replay_s else 0.0}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from bench.fleet import lookup_legs
 from shared.cli.main import app
 
 
@@ -33,6 +34,8 @@ def test_bench_fleet_small_runs_and_reports(tmp_path):
     for row in out["rows"]:
         assert row["lookup_p99_ms"] > 0 and row["lookup_failures"] == 0
         assert row["lookup_nats"]["n"] >= 12 and row["routing_decision"]["p99_ms"] > 0
+        legs = row["lookup_legs"]
+        assert 0 < legs["in_index"]["n"] <= row["lookup_nats"]["n"] and legs["to_index"]["p50_ms"] >= 0
         assert row["index_blocks"] > 0 and row["index_mb_per_1m_blocks"] > 0
         assert row["index_ingest_events_per_s"] > 0 and row["ingest_keeps_up_10x"] in (True, False)
         assert row["replay_lag"]["drain_after_replay_s"] is not None
@@ -55,3 +58,12 @@ def test_bench_index_scale_mode_reports_memory_lookups_and_snapshot():
         assert r["map_bytes_per_block"] > 0 and r["blocks_per_gib"] > 0
         assert r["lookups_per_s_per_core_in_process"] > 0 and r["nats"]["lookups_per_s_per_core"] > 0
         assert r["snapshot_bytes"] > 8 * r["blocks"]  # a key and at least one mask word each
+
+
+def testlookup_legs_match_each_round_trip_to_the_one_handler_span_inside_it():
+    round_trips = [[0.0, 0.010], [0.020, 0.030], [0.040, 0.050]]
+    spans = [[0.023, 0.024], [0.002, 0.005], [0.021, 0.022], [0.041, 0.060]]  # unordered, as gathered
+    legs = lookup_legs(round_trips, spans)
+    # only the first is unambiguous: the second holds two spans, the third's span ends after its reply
+    assert {k: v["n"] for k, v in legs.items()} == {"to_index": 1, "in_index": 1, "back": 1}
+    assert (legs["to_index"]["p50_ms"], legs["in_index"]["p50_ms"], legs["back"]["p50_ms"]) == (2.0, 3.0, 5.0)

@@ -138,3 +138,31 @@ async def _next_of(changes: AsyncIterator[WorkerChange], workers: set[str], time
         raise AssertionError("follow ended")
 
     return await asyncio.wait_for(find(), timeout_s)
+
+
+async def test_workers_started_together_do_not_beat_in_lockstep(nats_server):
+    """Their second beats land at random phases of the interval, not in one burst a watcher must take at once."""
+    workers = [unique("phase") for _ in range(16)]
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = watch_workers(js, updates=True)
+        beaters = [HeartbeatLoop(js, w, Role.DECODE, "http://127.0.0.1:1", interval_s=1.0, ttl_s=3.0,
+                                 metrics=ServiceMetrics.create("test")) for w in workers]
+        tasks = [asyncio.create_task(b.run()) for b in beaters]
+        second: dict[str, float] = {}
+
+        async def collect() -> None:
+            async for change in changes:
+                if change.worker_id in workers and change.heartbeat and change.heartbeat.seq == 2:
+                    second[change.worker_id] = time.monotonic()
+                    if len(second) == len(workers):
+                        return
+
+        await asyncio.wait_for(collect(), 10)
+        for b in beaters:
+            b.stop()
+        await asyncio.gather(*tasks)
+        await changes.aclose()
+    # All at one phase, the spread is the few ms their first beats took; 16 uniform phases all within
+    # 0.25 s of each other happen with probability < 1e-8.
+    assert max(second.values()) - min(second.values()) > 0.25
