@@ -60,6 +60,7 @@ class _RetentionCollector(Collector):
         ("late_prefetches", "Sessions that came back before their prefetch was sent."),
         ("wasted_prefetches", "Prefetched sessions whose pin lapsed before they came back."),
         ("budget_refusals", "Sessions not pinned because the worker's session pin budget was full."),
+        ("partial_retains", "Session chains only a leading part of which fit the pin budget (that part pinned)."),
         ("ended_demoted", "Blocks of ended sessions demoted from L1 at once."),
     )
 

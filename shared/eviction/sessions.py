@@ -19,8 +19,9 @@ says so when its turn ends (shared/sessions/events.py). For each
      session pin budget (`pin_fraction` of the worker's L1, in which the
      chains of turns admitted on that worker count first: their prefills
      need the room now, and pins granted earlier count until they lapse:
-     a worker's pin cannot be taken back); past the budget it is not
-     pinned now and tried again as a prefetch;
+     a worker's pin cannot be taken back); past the budget only the
+     chain's leading blocks that fit are pinned (`partial_retains`), and a
+     chain none of which fits is tried again as a prefetch;
    - back later (an answer, a person reading): no pin, so the blocks go down
      to L2/L3 under pressure like any others; `prefetch_lead_s` before the
      predicted return (if a return is likely: `min_p_return`) a `Retain` with
@@ -56,9 +57,6 @@ from shared.sessions.events import SessionEvent, TurnOutcome
 from shared.tiers.miss import Tier
 
 
-# What a turn adds to its session's chain, as a share of it, when sizing the room its next prefill needs.
-_GROWTH = 0.25
-
 
 @dataclass(slots=True)
 class TrackedSession:
@@ -69,6 +67,7 @@ class TrackedSession:
     expected_at: float = math.inf  # the predicted next turn (median)
     deadline: float = math.inf  # most such sessions are back by then (a high quantile)
     pinned_until: float = 0.0  # 0: not pinned
+    pinned_len: int = 0  # the leading blocks of `chain` that pin covers (the budget may take fewer than all)
     prefetch_at: float | None = None  # when to send the prefetch; None: none planned or already sent
     prefetched_at: float | None = None
     started_request: str = ""  # the request whose turn started (announced) and has not ended yet
@@ -82,6 +81,7 @@ class RetentionCounts:
     late_prefetches: int = 0  # the session came back before its prefetch went out
     wasted_prefetches: int = 0  # a prefetched session's pin lapsed before it came back
     budget_refusals: int = 0  # a session that would have been pinned but the budget was full
+    partial_retains: int = 0  # only a leading part of the chain fit the budget: that part was pinned
     ended_demoted: int = 0  # blocks of ended sessions demoted at once
     errors: list[float] = field(default_factory=list)  # signed prediction errors (s) not yet exported
 
@@ -100,7 +100,7 @@ class SessionRetention:
 
     def pinned_blocks(self, worker: str, now: float) -> int:
         """Distinct blocks the planner has pinned on `worker` (a shared system prompt counts once)."""
-        return len(set().union(*(s.chain for s in self.sessions.values()
+        return len(set().union(*(s.chain[:s.pinned_len] for s in self.sessions.values()
                                  if s.worker == worker and s.pinned_until > now)))
 
     def in_turn(self, tenant: str, session_id: str) -> bool:
@@ -237,40 +237,52 @@ class SessionRetention:
                 until: float | None = None) -> WorkerCommand | None:
         if until is None:
             until = min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
-        if not self._make_room(session, now):
+        n = self._room(session, now)
+        if n == 0:
             self.counts.budget_refusals += 1
             return None
-        session.pinned_until = until
+        self.counts.partial_retains += n < len(session.chain)
+        session.pinned_until, session.pinned_len = until, n
         self.counts.retains += 1
-        cmd = Retain(hashes=[h.hex() for h in session.chain], until=until, fetch=fetch,
+        cmd = Retain(hashes=[h.hex() for h in session.chain[:n]], until=until, fetch=fetch,
                      tenant_salt=session.tenant_salt, session_id=session.key[1])
         kind = "prefetch" if fetch else "retain"
-        cid = f"{kind}-{session.worker}-{session.chain[-1].hex()[:32]}-{int(until)}"
+        cid = f"{kind}-{session.worker}-{session.chain[n - 1].hex()[:32]}-{int(until)}"
         return WorkerCommand(worker=session.worker, command_id=cid, command=cmd)
 
-    def _make_room(self, session: TrackedSession, now: float) -> bool:
-        """Whether `session`'s chain fits its worker's pin budget (distinct blocks: what its sessions share
-        counts once) beside what the worker already holds for others.
+    def _room(self, session: TrackedSession, now: float) -> int:
+        """How many leading blocks of `session`'s chain fit its worker's pin budget (distinct blocks: what
+        its sessions share counts once) beside what the worker already holds for others. A chain longer
+        than the room is pinned in part: its leading blocks are what the next turn reuses first, and a
+        prefix pinned saves its recompute even when the tail is not (as the engine's pin ledger does).
 
         A worker's pin only extends, never shrinks, so a pin granted earlier holds its blocks until its
         own deadline: it counts until then, whoever is expected back first. The chains of the other
         sessions whose turn was admitted on that worker (within the pin horizon: a lost end event stops
         counting then) count too, pinned or not: their prefills need that room now. So the pins on a
-        worker plus the chains being prefilled never pass the budget. And the pins leave room in the
-        pool for the largest chain of the worker's sessions plus a quarter (the next prefill of any of
-        them): a pin holds a reference no prefill can evict around, and a prompt larger than what the
-        pins leave free cannot be admitted until they lapse."""
-        if len(set(session.chain)) > self.pin_budget:
-            return False
-        mine = [s for s in self.sessions.values() if s.worker == session.worker and s is not session]
+        worker plus the chains being prefilled never pass the budget.
+
+        Pins need not leave room for the worker's largest next prompt: when it does not fit and nothing
+        else can run, the worker unpins idle blocks (`PinSet.yield_idle`), so a pin can hold a prefill
+        back only while others run, never stall it. (Reserving that room refused nearly every pin on
+        an L1 that a few long chains fill: 169 of 172 in `bench agents` at 1,536 blocks.)"""
         horizon = self.settings.pin_horizon_s
-        held = [s.chain for s in mine
-                if s.pinned_until > now or (s.started_request and now < s.expected_at + horizon)]
-        pinned = len(set(session.chain).union(*held))
-        # Any session of this worker may be admitted next, and its prompt is at least its chain plus what
-        # the turn adds: a prefill that size must still fit beside the pins, or it waits until they lapse.
-        largest = max([len(s.chain) for s in mine] + [len(session.chain)]) * (1 + _GROWTH)
-        return pinned <= self.pin_budget and pinned + largest <= self.l1_capacity
+        held: set[bytes] = set()
+        for s in self.sessions.values():
+            if s.worker != session.worker or s is session:
+                continue
+            if s.started_request and now < s.expected_at + horizon:
+                held.update(s.chain)  # its prefill needs all of it
+            elif s.pinned_until > now:
+                held.update(s.chain[:s.pinned_len])
+        free, n = self.pin_budget - len(held), 0
+        for h in session.chain:
+            if h not in held:
+                if free <= 0:
+                    break
+                free -= 1
+            n += 1
+        return n
 
     def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
         if not session.worker:
