@@ -57,7 +57,6 @@ from shared.sessions.events import SessionEvent, TurnOutcome
 from shared.tiers.miss import Tier
 
 
-
 @dataclass(slots=True)
 class TrackedSession:
     key: tuple[str, str]  # (tenant, session id): ids are scoped to their tenant
@@ -92,11 +91,14 @@ class SessionRetention:
     def __init__(self, view: OccupancyView, book: SessionBook, settings: SessionRetentionSettings,
                  l1_capacity: int) -> None:
         self.view, self.book, self.settings = view, book, settings
-        self.pin_budget = int(settings.pin_fraction * l1_capacity)
-        self.l1_capacity = l1_capacity
+        self.l1_default = l1_capacity  # a worker's own L1 size comes from its heartbeat (the view)
         self.sessions: OrderedDict[tuple[str, str], TrackedSession] = OrderedDict()
         self.claims: dict[bytes, int] = {}  # block -> tracked sessions whose chain holds it
         self.counts = RetentionCounts()
+
+    def pin_budget(self, worker: str) -> int:
+        """`pin_fraction` of `worker`'s L1, as its heartbeat states it (the service's setting if it did not)."""
+        return int(self.settings.pin_fraction * (self.view.capacity(worker, Tier.L1, self.l1_default) or 0))
 
     def pinned_blocks(self, worker: str, now: float) -> int:
         """Distinct blocks the planner has pinned on `worker` (a shared system prompt counts once)."""
@@ -275,7 +277,7 @@ class SessionRetention:
                 held.update(s.chain)  # its prefill needs all of it
             elif s.pinned_until > now:
                 held.update(s.chain[:s.pinned_len])
-        free, n = self.pin_budget - len(held), 0
+        free, n = self.pin_budget(session.worker) - len(held), 0
         for h in session.chain:
             if h not in held:
                 if free <= 0:

@@ -147,7 +147,7 @@ def test_session_pins_never_exceed_the_budget(turns) -> None:
         p.on_event(event(f"s{session}", chain, outcome, now, started=now - 0.5, hint_s=hint, worker=worker), now)
         p.tick(now)
         for w in ("w1", "w2"):
-            assert p.pinned_blocks(w, now) <= p.pin_budget
+            assert p.pinned_blocks(w, now) <= p.pin_budget(w)
         assert all(n > 0 for n in p.claims.values())
 
 
@@ -221,3 +221,13 @@ def test_a_pin_fits_the_budget_even_where_the_largest_next_prompt_would_not_fit_
     last = chain_in(p.view, "w1", [f"last{i}" for i in range(5)])
     assert p.on_event(event("last", last, TurnOutcome.TOOL_CALLS, T0 + 3, hint_s=2.0, tools=("bash",)), T0 + 3) == []
     assert p.counts.budget_refusals == 1 and p.pinned_blocks("w1", T0 + 3) == 40
+
+def test_the_budget_is_a_share_of_each_workers_own_l1() -> None:
+    p = planner()  # the service's default L1: 100 blocks, budget 40
+    p.view.set_capacity("big", 400, None)  # from big's heartbeat: budget 160
+    on_big = chain_in(p.view, "big", [f"b{i}" for i in range(120)])
+    on_w1 = chain_in(p.view, "w1", [f"a{i}" for i in range(120)])
+    [whole] = p.on_event(event("b", on_big, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0, worker="big"), T0)
+    [part] = p.on_event(event("a", on_w1, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
+    assert len(whole.command.hashes) == 120 and len(part.command.hashes) == 40
+    assert (p.pin_budget("big"), p.pin_budget("w1")) == (160, 40)
