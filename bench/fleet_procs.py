@@ -170,5 +170,5 @@ async def _ingress(url: str, workers: int, trace: list[tuple[float, int, list[by
     await nc.flush()
     follow.cancel()
     await nc.close()
-    return {"lookups": lookups, "round_trips": round_trips, "decisions": decisions, "lookup_failures": failed[0], "replay_s": replay_s,
-            "probes": probes, "probe_rate": probes / replay_s if replay_s else 0.0}
+    return {"lookups": lookups, "round_trips": round_trips, "decisions": decisions, "lookup_failures": failed[0],
+            "replay_s": replay_s, "probes": probes, "probe_rate": probes / replay_s if replay_s else 0.0}

@@ -249,6 +249,8 @@ class NatsPeerClient:
                     t.progress.clear()
                     if not await wait_event(t.progress, self.timeout_s):
                         t.error = f"no reply for {self.timeout_s}s"
+            except TimeoutError:  # publishing the request timed out
+                t.error = f"no reply for {self.timeout_s}s"
             except (NatsError, ConnectionError) as exc:
                 t.error = repr(exc)
             finally:

@@ -16,8 +16,14 @@ async def _queue_items(q: asyncio.Queue[int]):
 
 
 async def _cancel_as_it_arrives(waiting, arrive) -> asyncio.Task:
-    task = asyncio.create_task(waiting)
-    await asyncio.sleep(0)  # the task is now parked in its wait
+    parked = asyncio.Event()
+
+    async def wait():
+        parked.set()  # wakes us only after the next line has suspended in the wait
+        return await waiting
+
+    task = asyncio.create_task(wait())
+    await parked.wait()
     arrive()  # the awaited result lands ...
     task.cancel()  # ... and the owner stops the task in the same turn
     await asyncio.wait({task})
