@@ -17,6 +17,7 @@ import nats
 import pytest
 import torch
 
+from shared.aio import wait_event
 from shared.cache_policy.base import LRUPolicy
 from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
@@ -202,7 +203,12 @@ async def test_a_broken_wire_ends_the_transfer_at_once(fresh_nats_server) -> Non
     for b in chain:
         tier.put_block(b)
     views = [tier.get_encoded(b.block_hash) for b in chain]
-    nc = await nats.connect(fresh_nats_server.url, max_reconnect_attempts=0)
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    nc = await nats.connect(fresh_nats_server.url, allow_reconnect=False, closed_cb=on_closed)
     first_sent = asyncio.Event()
 
     async def sends_one_then_waits(msg) -> None:
@@ -220,7 +226,9 @@ async def test_a_broken_wire_ends_the_transfer_at_once(fresh_nats_server) -> Non
     got = await fetch
     assert [getattr(g, "detail", "") for g in got[1:]] == ["slow: data connection lost"] * 2
     await client.close()
-    await nc.close()
+    # with reconnects off nats-py closes the connection itself; a close() racing that one can be
+    # cancelled inside nats-py, so wait for its own close instead
+    assert await wait_event(closed, 30.0)
 
 
 async def test_the_wire_refuses_a_server_that_wants_tls() -> None:
