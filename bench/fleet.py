@@ -75,7 +75,7 @@ class FleetBenchConfig:
     churn: int = 200  # worker ids started and stopped
     churn_wait_s: float = 10.0  # how long consumers of stopped workers may take to go
     heartbeat_s: float = FleetWorkerConfig(0).heartbeat_interval_s  # the services' default interval
-    fetch_timeout_s: float = FleetWorkerConfig(0).fetch_timeout_s  # the workers' default poll of idle consumers
+    worker_fetch_timeout_s: float = FleetWorkerConfig(0).worker_fetch_timeout_s  # the workers' default idle poll
     seed: int = 0
     # The emulated workers stand for N machines, not for CPU the services under test would share: once
     # the index, eviction, ingress and nats-server are up at nice 0, the emulating process runs at this
@@ -182,7 +182,7 @@ class _Run:
         os.nice(cfg.emulator_nice)
         wcfg = self.wcfg = FleetWorkerConfig(cfg.l1_blocks, heartbeat_interval_s=cfg.heartbeat_s,
                                              heartbeat_ttl_s=max(5.0, 5 * cfg.heartbeat_s),
-                                             fetch_timeout_s=cfg.fetch_timeout_s)
+                                             worker_fetch_timeout_s=cfg.worker_fetch_timeout_s)
         task = self.progress.add_task(f"N={self.n}: workers up", total=self.n)
         for start in range(0, self.n, 50):
             batch = [EmulatedWorker(f"w{i}", self.nc, self.js, publisher, metrics, wcfg)
@@ -363,7 +363,7 @@ def run_fleet_bench(cfg: FleetBenchConfig) -> dict:
             "config": {"trace": cfg.trace.name, "requests": len(trace), "trace_s": round(trace[-1][0], 1),
                        "blocks_in_trace": sum(len(c) for _, _, c in trace), "speed": cfg.speed,
                        "lookup_rate": cfg.lookup_rate, "l1_blocks": cfg.l1_blocks, "churn": cfg.churn,
-                       "heartbeat_interval_s": cfg.heartbeat_s, "fetch_timeout_s": cfg.fetch_timeout_s,
+                       "heartbeat_interval_s": cfg.heartbeat_s, "worker_fetch_timeout_s": cfg.worker_fetch_timeout_s,
                        "emulator_nice": cfg.emulator_nice, "cpus": os.cpu_count(),
                        "load_avg_1m": round(os.getloadavg()[0], 1)}}
 

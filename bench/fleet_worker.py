@@ -40,7 +40,7 @@ class FleetWorkerConfig:
     block_tokens: int = 512  # Mooncake's blocks
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
-    fetch_timeout_s: float = BusSettings().fetch_timeout_s  # an idle command consumer polls this often
+    worker_fetch_timeout_s: float = BusSettings().worker_fetch_timeout_s  # an idle command consumer polls this often
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class EmulatedWorker:
                                        capacity=4.0, kv_position=self.events.position,
                                        l1_capacity_blocks=self.cfg.l1_blocks)
         self.commands = ConsumerLoop(self.js, command_consumer(self.worker_id), self._on_command, self.publisher,
-                                     self.metrics, BusSettings(fetch_timeout_s=self.cfg.fetch_timeout_s))
+                                     self.metrics, BusSettings(worker_fetch_timeout_s=self.cfg.worker_fetch_timeout_s))
 
     async def start(self) -> None:
         """Begin the KV-event epoch, then beat (the first beat at once) and consume, in tasks."""

@@ -114,7 +114,11 @@ class BusSettings(BaseModel):
     request_timeout_s: float = 5.0
     nak_delay_s: float = 1.0
     fetch_batch: int = 16
-    fetch_timeout_s: float = 1.0
+    fetch_timeout_s: float = 1.0  # how long an idle pull waits on a shared queue (prefill-any, the index feed...)
+    # ... and on a per-worker consumer. There is one per worker and role, so this sets the fleet's idle pull
+    # rate (each idle poll is two pull requests and two status replies for nats-server); it is also how long
+    # a pull the server lost (NATS restarted) can hold up that worker's own messages. Stops do not wait for it.
+    worker_fetch_timeout_s: float = Field(default=5.0, gt=0.0)
     # A per-worker durable consumer (jobs/handoffs/commands addressed to one worker id) nobody fetched from
     # for this long is deleted by the server: outlasts a restart of the same id and a leader election, while
     # ids that churn away leave nothing behind (a busy worker keeps it: pending acks count as activity).

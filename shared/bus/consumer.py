@@ -17,9 +17,11 @@ least once. The message's request/session ids are bound for their logs.
 While a handler runs, `in_progress()` is sent every third of `ack_wait`, so
 a long handler is not redelivered behind its back.
 
-`stop()` stops fetching; `run()` then waits for in-flight handlers until the
-drain deadline, cancels what is left (those messages are nak'ed for prompt
-redelivery elsewhere) and returns. A per-worker consumer (`spec.per_worker`)
+`stop()` stops fetching (a per-worker consumer's long idle pull is cut short;
+a shared queue's pull of `bus.fetch_timeout_s` runs out and what it took is
+nak'ed); `run()` then waits for in-flight handlers until the drain deadline,
+cancels what is left (those messages are nak'ed for prompt redelivery
+elsewhere) and returns. A per-worker consumer (`spec.per_worker`)
 is declared with `bus.worker_consumer_inactive_s` as its inactive threshold
 and deleted after a clean stop (not when the loop is cancelled or the
 process dies: the threshold removes those); its messages stay in their
@@ -135,23 +137,41 @@ class ConsumerLoop:
                      error=repr(exc))
 
     async def _fetch_loop(self, sub: JetStreamContext.PullSubscription) -> None:
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await self._fetch_until_stopped(sub, stopping)
+        finally:
+            stopping.cancel()
+
+    async def _fetch_until_stopped(self, sub: JetStreamContext.PullSubscription, stopping: asyncio.Future) -> None:
         batch = max(1, self.settings.fetch_batch)
+        poll = self.settings.worker_fetch_timeout_s if self.spec.per_worker else self.settings.fetch_timeout_s
         while not self._stopping.is_set():
             free = batch - len(self._inflight)
             if free <= 0:
-                stop_wait = asyncio.ensure_future(self._stopping.wait())
-                await asyncio.wait({*self._inflight, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                stop_wait.cancel()
+                await asyncio.wait({*self._inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 continue
+            fetch = asyncio.ensure_future(sub.fetch(free, timeout=poll))
             try:
-                msgs = await sub.fetch(free, timeout=self.settings.fetch_timeout_s)
+                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                fetch.cancel()
+                raise
+            if not fetch.done() and self.spec.per_worker:
+                # Stopped during a long idle pull: the consumer is deleted next, and what the pull might
+                # still take stays in the work-queue stream for the next consumer of this worker's subject.
+                fetch.cancel()
+                await asyncio.wait({fetch})
+                break
+            try:
+                msgs = await fetch  # a shared queue's short pull runs out: what it took is nak'ed below
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # reconnecting, leader change...: wait a little and fetch again
                 if self._stopping.is_set():
                     break
                 log.warning("fetch failed", durable=self.spec.durable, error=repr(exc))
-                await asyncio.sleep(min(1.0, self.settings.fetch_timeout_s))
+                await asyncio.sleep(min(1.0, poll))
                 if isinstance(exc, (ServiceUnavailableError, nats.errors.NoRespondersError)):
                     await self._redeclare()  # no one answers pulls: the consumer may be gone
                 continue

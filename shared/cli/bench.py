@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from shared.config import BusSettings, ServiceSettings
+
 app = typer.Typer(help="Benchmarks: side by side, as ratios, one JSON object.", no_args_is_help=True)
 
 
@@ -201,8 +203,8 @@ def fleet(
     lookup_rate: Annotated[float, typer.Option(min=0.0, help="Extra lookup + routing probes per second.")] = 50.0,
     l1_blocks: Annotated[int, typer.Option(min=8, help="Each emulated worker's L1 capacity in blocks.")] = 256,
     churn: Annotated[int, typer.Option(min=0, help="Worker ids started and stopped (consumers left after).")] = 200,
-    heartbeat_s: Annotated[float, typer.Option(min=0.2, help="Emulated workers' heartbeat interval.")] = 1.0,
-    fetch_timeout_s: Annotated[float, typer.Option(min=0.1, help="Emulated workers' idle consumer poll.")] = 1.0,
+    heartbeat_s: Annotated[float, typer.Option(min=0.2, help="Emulated workers' heartbeat interval.")] = ServiceSettings().heartbeat_interval_s,
+    worker_fetch_timeout_s: Annotated[float, typer.Option(min=0.1, help="Emulated workers' idle command-consumer poll.")] = BusSettings().worker_fetch_timeout_s,
     emulator_nice: Annotated[int, typer.Option(min=0, max=19, help="Nice of the emulated fleet once the services are up (0: equal priority).")] = 10,
 ) -> None:
     """N emulated workers' heartbeats, KV events and commands vs the real index, eviction and router."""
@@ -210,7 +212,8 @@ def fleet(
 
     cfg = FleetBenchConfig(workers=tuple(int(w) for w in workers.split(",") if w.strip()), trace=trace or DEFAULT_TRACE,
                            requests=requests, speed=speed, lookup_rate=lookup_rate, l1_blocks=l1_blocks, churn=churn,
-                           heartbeat_s=heartbeat_s, fetch_timeout_s=fetch_timeout_s, emulator_nice=emulator_nice)
+                           heartbeat_s=heartbeat_s, worker_fetch_timeout_s=worker_fetch_timeout_s,
+                           emulator_nice=emulator_nice)
     typer.echo(json.dumps(run_fleet_bench(cfg), indent=None if json_out else 2))
 
 

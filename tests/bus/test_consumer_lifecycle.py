@@ -149,6 +149,33 @@ async def test_consumer_deleted_under_a_running_loop_is_declared_again(fresh_nat
         await asyncio.wait_for(task, 10)
 
 
+async def test_a_long_idle_pull_delivers_at_once_and_does_not_hold_up_a_stop(fresh_nats_server) -> None:
+    """A per-worker consumer waits `worker_fetch_timeout_s` per pull (2 minutes here): a job still arrives while
+    it waits, a stop cuts the pull short, and a job sent after the stop waits in the stream for the id's next
+    consumer."""
+    bus = LONG.model_copy(update={"worker_fetch_timeout_s": 120.0})
+    wid = unique("long")
+    spec, subject = worker_consumer(JOBS, "prefill", wid, subjects.jobs_prefill(wid)), subjects.jobs_prefill(wid)
+    got: list[bytes] = []
+
+    async def handle(msg: Msg) -> None:
+        got.append(msg.data)
+
+    async with connected(fresh_nats_server.url) as nc:
+        js = nc.jetstream()
+        loop, task = await _running_loop(js, spec, handle, bus)
+        await js.publish(subject, b"first", headers={subjects.HDR_MSG_ID: unique()})
+        await eventually(lambda: got == [b"first"], 30, "the job is handled while the pull waits")
+        loop.stop()
+        await asyncio.wait_for(task, 30)  # not the rest of the 120 s pull
+        assert spec.durable not in await _names(js)
+        await js.publish(subject, b"later", headers={subjects.HDR_MSG_ID: unique()})
+        loop, task = await _running_loop(js, spec, handle, bus)
+        await eventually(lambda: got == [b"first", b"later"], 30, "the next consumer of the id takes it")
+        loop.stop()
+        await asyncio.wait_for(task, 30)
+
+
 async def test_churn_of_200_worker_ids_leaves_no_consumers(fresh_nats_server) -> None:
     """150 worker ids drain cleanly (in waves), 50 die with SIGKILL (two processes of 25); once the
     threshold has passed, only the shared queues remain."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -166,3 +167,55 @@ async def test_workers_started_together_do_not_beat_in_lockstep(nats_server):
     # All at one phase, the spread is the few ms their first beats took; 16 uniform phases all within
     # 0.25 s of each other happen with probability < 1e-8.
     assert max(second.values()) - min(second.values()) > 0.25
+
+
+async def test_an_unchanged_heartbeat_is_written_again_only_at_its_keepalive(nats_server):
+    worker = unique("w")
+    load, position = [1.0], [(1, 0)]
+    async with connected(nats_server.url) as nc:
+        beater = HeartbeatLoop(nc.jetstream(), worker, Role.PREFILL, "http://127.0.0.1:1", interval_s=0.3,
+                               ttl_s=3.0, metrics=ServiceMetrics.create("test"), load=lambda: load[0],
+                               kv_position=lambda: position[0])
+        assert beater.keepalive_s == 1.0  # a third of the TTL
+        assert beater.due(time.monotonic())  # nothing written yet
+        t0 = time.monotonic()
+        await beater.beat()
+        assert not beater.due(t0 + 0.5)  # unchanged, keep-alive not due
+        assert beater.due(time.monotonic() + 1.0)
+        load[0] = 2.0
+        assert beater.due(t0 + 0.5)  # the load moved
+        await beater.beat()
+        assert not beater.due(time.monotonic())
+        position[0] = (1, 7)  # KV events were published: the index must hear of it
+        assert beater.due(time.monotonic())
+        await beater.withdraw()
+        slow = HeartbeatLoop(nc.jetstream(), worker, Role.DECODE, "http://127.0.0.1:1", interval_s=2.0, ttl_s=3.0,
+                             metrics=ServiceMetrics.create("test"))
+        assert slow.keepalive_s == 2.0  # never more often than the interval
+
+
+async def test_load_moves_within_an_interval_while_idle_beats_slow_to_the_keepalive(nats_server):
+    worker = unique("w")
+    load = [1.0]
+    async with connected(nats_server.url) as nc:
+        js = nc.jetstream()
+        changes = watch_workers(js, updates=True)
+        beater = HeartbeatLoop(js, worker, Role.DECODE, "http://127.0.0.1:1", interval_s=0.2, ttl_s=3.0,
+                               metrics=ServiceMetrics.create("test"), load=lambda: load[0])
+        task = asyncio.create_task(beater.run())
+        assert (await _next_for(changes, worker, 5)).change is Change.UP
+        load[0] = 5.0
+        while (change := await _next_for(changes, worker, 5)).heartbeat.load != 5.0:
+            pass  # a keep-alive written before the load moved
+        arrivals = []
+        for _ in range(3):  # idle now: keep-alives only
+            change = await _next_for(changes, worker, 5)
+            assert change.change is Change.UPDATE and change.heartbeat.load == 5.0
+            arrivals.append(time.monotonic())
+        beater.stop()
+        await task
+        await beater.withdraw()
+        await changes.aclose()
+    # Written every look, they would arrive 0.2 s apart; keep-alives are 1 s apart (a delayed
+    # delivery can shorten one gap, never both).
+    assert max(b - a for a, b in itertools.pairwise(arrivals)) > 0.6
