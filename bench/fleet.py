@@ -191,7 +191,9 @@ class _Run:
             self.workers.update((w.worker_id, w) for w in batch)
             self.progress.update(task, completed=len(self.workers))
         await self._got(qg)  # the ingress has seen every worker live and starts the replay
+        beats, t0 = self._beats(), time.perf_counter()
         lag = await self._sample_lag(qg)
+        beat_rate = (self._beats() - beats) / (time.perf_counter() - t0) / self.n
         ingress = lag.pop("ingress")
         await sub.unsubscribe()
         await asyncio.gather(*(w.events.flushed(60.0) for w in self.workers.values()))
@@ -218,6 +220,7 @@ class _Run:
             "lookup_legs": lookup_legs(ingress["round_trips"], stats["spans"]),
             "lookup_failures": ingress["lookup_failures"],
             "routing_decision": _pct(ingress["decisions"]),
+            "heartbeat_writes_per_worker_s": round(beat_rate, 3),  # during the replay
             "probe_lookups_per_s": round(ingress["probe_rate"], 1),
             "index_ingest_events_per_s": ingest["events_per_s"],
             "trace_events_per_s_1x": round(trace_rate, 1),
@@ -236,6 +239,10 @@ class _Run:
             "consumers_left_after_churn": churn["left"],
             "churn": churn,
         }
+
+    def _beats(self) -> int:
+        """Heartbeats the emulated workers have written so far (each one's `seq` counts its writes)."""
+        return sum(w.heartbeat.seq for w in self.workers.values())
 
     async def _on_assign(self, msg) -> None:
         a = json.loads(msg.data)

@@ -95,8 +95,8 @@ class ServiceSettings(BaseModel):
     worker_id: str = ""
     http_host: str = "127.0.0.1"
     http_port: int = 0  # 0 = pick a free port
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 5.0
+    heartbeat_interval_s: float = 1.0  # how often a heartbeat's state is looked at; a change is written then
+    heartbeat_ttl_s: float = 5.0  # the entry lives this long after a write; unchanged, it is rewritten every ttl/3
     drain_timeout_s: float = 10.0
 
 

@@ -4,9 +4,11 @@ Every interval the loop samples what a heartbeat states (load, capacity,
 KV-event position, tier sizes) and writes it if that differs from the last
 write; an unchanged heartbeat is written again only when a third of the TTL
 has passed (`keepalive_s`), to keep the entry alive. Every watcher (cache
-index, eviction, each ingress) takes every write, so an idle fleet costs
-them a third of what beating every interval did, and a busy worker's load
-still moves within an interval. Beats are jittered (see `HeartbeatLoop.run`).
+index, eviction, each ingress) takes every write: an idle worker now costs
+them one write per keep-alive instead of one per interval (0.6 of it at the
+default 1 s interval and 5 s TTL), and a busy worker's load and event
+position still reach them within an interval. Beats are jittered (see
+`HeartbeatLoop.run`).
 Each write carries a per-message TTL (`Nats-TTL`, nats-server 2.11+): if the
 process stops writing (crash, partition), the entry expires `ttl_s` after the
 last write and the server leaves a delete marker that watchers see as the
@@ -67,8 +69,9 @@ class HeartbeatLoop:
     def keepalive_s(self) -> float:
         """An unchanged heartbeat is written again after this long: a third of the TTL, at least the interval.
 
-        A failed write is retried every interval, so the entry outlives one lost keep-alive and the
-        retries after it, as it outlived lost beats when every interval was written.
+        A failed write is retried at the next look, an interval later: at the defaults (1 s, 5 s TTL) a
+        keep-alive is due 1.67 s after the last write, and a lost one is retried well inside the
+        entry's 5 s.
         """
         return max(self.interval_s, self.ttl_s / 3)
 
