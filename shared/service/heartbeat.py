@@ -9,6 +9,7 @@ them one write per keep-alive instead of one per interval (0.6 of it at the
 default 1 s interval and 5 s TTL), and a busy worker's load and event
 position still reach them within an interval. Beats are jittered (see
 `HeartbeatLoop.run`).
+
 Each write carries a per-message TTL (`Nats-TTL`, nats-server 2.11+): if the
 process stops writing (crash, partition), the entry expires `ttl_s` after the
 last write and the server leaves a delete marker that watchers see as the
