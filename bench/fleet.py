@@ -221,6 +221,7 @@ class _Run:
             "lookup_failures": ingress["lookup_failures"],
             "routing_decision": _pct(ingress["decisions"]),
             "heartbeat_writes_per_worker_s": round(beat_rate, 3),  # during the replay
+            "heartbeat_write_failures": int(metrics.registry.get_sample_value("kvmesh_heartbeat_failures_total") or 0),
             "probe_lookups_per_s": round(ingress["probe_rate"], 1),
             "index_ingest_events_per_s": ingest["events_per_s"],
             "trace_events_per_s_1x": round(trace_rate, 1),

@@ -42,6 +42,7 @@ class ServiceMetrics:
     publish_retries: Counter
     requests_failed: Counter
     heartbeat_age_seconds: Gauge
+    heartbeat_failures: Counter
 
     @classmethod
     def create(cls, service: str = "") -> ServiceMetrics:
@@ -73,6 +74,10 @@ class ServiceMetrics:
             requests_failed=counter("kvmesh_requests_failed", "Request/reply calls that timed out or failed."),
             heartbeat_age_seconds=Gauge(
                 "kvmesh_heartbeat_age_seconds", "Seconds since this process last wrote its heartbeat.", registry=reg
+            ),
+            heartbeat_failures=Counter(
+                "kvmesh_heartbeat_failures", "Heartbeat writes that failed (the entry expires a TTL after the last "
+                "one that succeeded).", registry=reg,
             ),
         )
 

@@ -26,13 +26,24 @@ WORKER_TIERS = (Tier.L1, Tier.L2)
 
 @dataclass(slots=True)
 class WorkerOccupancy:
-    """One worker's blocks per tier (L1 device pool, L2 host memory) and its latest epoch."""
+    """One worker's blocks per tier (L1 device pool, L2 host memory), its latest epoch, the advice it has.
+
+    `advised` holds the blocks the eviction service told it to move out of a tier, and when. A mark
+    lasts until the worker's events say the block left that tier; a copy stored there again later is a
+    new arrival and counts as held. The advisor drops marks the worker never acted on.
+    """
 
     epoch: int = 0
     tiers: dict[Tier, set[bytes]] = field(default_factory=lambda: {t: set() for t in WORKER_TIERS})
+    advised: dict[tuple[Tier, bytes], float] = field(default_factory=dict)  # (tier, hash) -> when advised
 
     def count(self, tier: Tier) -> int:
         return len(self.tiers[tier])
+
+    def clear(self) -> None:
+        for held in self.tiers.values():
+            held.clear()
+        self.advised.clear()
 
 
 @dataclass(slots=True)
@@ -57,8 +68,7 @@ class OccupancyView:
             return
         if batch.epoch > occ.epoch:
             occ.epoch = batch.epoch
-            for held in occ.tiers.values():
-                held.clear()
+            occ.clear()
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._stored(occ, ev, now)
@@ -68,8 +78,7 @@ class OccupancyView:
                 self._discard(occ, ev.src, ev.hashes)
                 self._add(occ, ev.dst, [bytes.fromhex(h) for h in ev.hashes])
             elif isinstance(ev, WorkerCleared):
-                for held in occ.tiers.values():
-                    held.clear()
+                occ.clear()
 
     def prune(self, max_stats: int) -> int:
         """Bound the stats: forget the longest-idle blocks held nowhere (no worker tier, not in L3)."""
@@ -134,3 +143,5 @@ class OccupancyView:
             self.l3.difference_update(hashes)
         elif tier in occ.tiers:
             occ.tiers[tier].difference_update(hashes)
+            for h in hashes:  # advice followed (or the block left anyway): the mark is spent
+                occ.advised.pop((tier, h), None)

@@ -122,6 +122,7 @@ class HeartbeatLoop:
                     await self.beat()
                 except Exception as exc:  # noqa: BLE001 - a missed beat is survivable; the TTL decides
                     log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
+                    self.metrics.heartbeat_failures.inc()
                 else:
                     if first:
                         self._keepalive_at -= self.keepalive_s * rng.random()

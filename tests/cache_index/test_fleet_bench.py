@@ -40,7 +40,7 @@ def test_bench_fleet_small_runs_and_reports(tmp_path):
         assert row["index_ingest_events_per_s"] > 0 and row["ingest_keeps_up_10x"] in (True, False)
         assert row["replay_lag"]["drain_after_replay_s"] is not None
         advice = row["eviction_advice"]
-        assert advice["missed"] == 0 and advice["n"] == min(row["workers"], 12) and advice["p50_ms"] > 0
+        assert advice["missed"] == 0 and advice["n"] == min(row["workers"], 12) and advice["p50_ms"] > 0, row
         assert row["nats"]["per_worker_consumers"] == row["workers"]  # one command consumer each
         assert row["nats"]["streams"] > 0 and row["nats"]["consumers"] >= row["workers"]
         assert row["churn"]["started"] == 10
