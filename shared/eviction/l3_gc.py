@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from minio.deleteobjects import DeleteObject
+from minio.error import S3Error
 
 from shared.cache_policy.base import BlockInfo, EvictionPolicy
 from shared.eviction.pins import PinTable
-from shared.tiers.l3_store import DAMAGED, L3Store
+from shared.tiers.l3_store import ABSENT_CODES, DAMAGED, L3Store
 from shared.tiers.miss import Miss
 
 
@@ -91,11 +92,19 @@ class GCPlan:
 
 
 def scan(store: L3Store) -> list[L3Object]:
-    """Every chunk object of the store's fingerprint with its metadata (one stat per object)."""
+    """Every chunk object of the store's fingerprint with its metadata (one stat per object).
+
+    An object deleted between its listing and its stat (a GC pass running meanwhile) is left out.
+    """
     out: list[L3Object] = []
     prefix = f"{store.fingerprint}/" if store.fingerprint else None  # no fingerprint: every model's chunks
     for item in store.client.list_objects(store.bucket, prefix=prefix, recursive=True):
-        st = store.client.stat_object(store.bucket, item.object_name)
+        try:
+            st = store.client.stat_object(store.bucket, item.object_name)
+        except S3Error as exc:
+            if exc.code in ABSENT_CODES:
+                continue
+            raise
         meta = st.metadata or {}
         def get(name: str, default: str) -> str:
             return meta.get(f"x-amz-meta-{name}", default)

@@ -32,9 +32,7 @@ from dataclasses import dataclass, field, replace
 from minio.error import S3Error
 
 from shared.eviction.l3_gc import BucketTotals, L3Object
-from shared.tiers.l3_store import L3Store
-
-_ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+from shared.tiers.l3_store import ABSENT_CODES, L3Store
 
 
 @dataclass(slots=True)
@@ -115,7 +113,7 @@ class L3Sweep:
         try:
             meta = self.store.client.stat_object(self.store.bucket, obj.key).metadata or {}
         except S3Error as exc:
-            if exc.code in _ABSENT:
+            if exc.code in ABSENT_CODES:
                 return None
             raise
         try:

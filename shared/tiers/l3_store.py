@@ -54,7 +54,7 @@ from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.l3_touch import L3Touches
 from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
-_ABSENT = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"})  # S3's "no such object"
 # What an object can show that makes it useless for good. Not an unknown format version (a newer
 # writer's, in a rolling upgrade) nor another model's fingerprint (the reader's mistake, not the object's).
 DAMAGED = frozenset({MissReason.BAD_MAGIC, MissReason.TRUNCATED, MissReason.CHECKSUM, MissReason.WRONG_BLOCK})
@@ -274,7 +274,7 @@ class L3Store:
         try:
             meta = self.client.stat_object(self.bucket, key).metadata or {}
         except S3Error as exc:
-            if exc.code in _ABSENT:
+            if exc.code in ABSENT_CODES:
                 return None
             raise
         try:
@@ -292,7 +292,7 @@ class L3Store:
             if self.touches is not None:
                 self.touches.note(key, resp.headers, self.ttl_s)
         except S3Error as exc:
-            if exc.code in _ABSENT:
+            if exc.code in ABSENT_CODES:
                 self.breaker.record_success()
                 return self._miss(MissReason.NOT_FOUND, key)
             self.breaker.record_failure()

@@ -42,6 +42,24 @@ def test_ttl_deletes_exactly_the_expired(s3_server) -> None:
     assert {o.key for o in scan(store)} == set(long)
 
 
+def test_scan_leaves_out_an_object_deleted_between_its_listing_and_its_stat(s3_server) -> None:
+    """A GC pass (or another replica's) can delete a chunk while a scan walks the listing: it is gone, not an error."""
+    store = l3_store(s3_server, FP)
+    keys = _keys(store, "t-race", kv_chain(4, seed=3))  # 2 chunks
+    client = store.client
+
+    class DeletesAfterListing:  # the real client; the first chunk goes once the listing is taken
+        def list_objects(self, *args, **kwargs):
+            listed = list(client.list_objects(*args, **kwargs))
+            client.remove_object(store.bucket, keys[0])
+            return listed
+
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+    assert {o.key for o in scan(replace(store, client=DeletesAfterListing()))} == {keys[1]}
+
+
 def test_pinned_chunk_survives_its_ttl_even_pinned_mid_chunk(s3_server) -> None:
     store = l3_store(s3_server, FP, chunk_blocks=4)
     blocks = kv_chain(8, seed=3)
