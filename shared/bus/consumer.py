@@ -152,6 +152,7 @@ class ConsumerLoop:
                 await asyncio.wait({*self._inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 continue
             fetch = asyncio.ensure_future(sub.fetch(free, timeout=poll))
+            fetch.add_done_callback(_seen)  # a pull abandoned (stop, cancel) may still end in its own error
             try:
                 await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
@@ -290,6 +291,12 @@ class ConsumerLoop:
         self.metrics.messages_dead_lettered.labels(self.spec.filter_subject).inc()
         log.error("message dead-lettered", durable=self.spec.durable, subject=msg.subject,
                   stream_seq=md.sequence.stream, deliveries=md.num_delivered, reason=reason)
+
+
+def _seen(fetch: asyncio.Future) -> None:
+    """Mark a pull's outcome as retrieved: one left behind by a stop is not asyncio's "never retrieved" error."""
+    if not fetch.cancelled():
+        fetch.exception()
 
 
 async def _quietly(aw: Awaitable[None]) -> None:

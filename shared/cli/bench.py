@@ -217,6 +217,20 @@ def fleet(
     typer.echo(json.dumps(run_fleet_bench(cfg), indent=None if json_out else 2))
 
 
+@app.command("heartbeat-watch")
+def heartbeat_watch(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object.")] = False,
+    workers: Annotated[int, typer.Option(min=1, help="Worker ids whose heartbeats are written.")] = 1000,
+    period_s: Annotated[float, typer.Option(min=0.05, help="Each id's heartbeat is rewritten this often (default: the keep-alive).")] = 5.0 / 3,
+    window_s: Annotated[float, typer.Option(min=0.5, help="Seconds measured per layer.")] = 8.0,
+) -> None:
+    """CPU per heartbeat in a watching process: core subscription, ordered consumer, KV watcher, watch_workers."""
+    from bench.heartbeat_watch import HeartbeatWatchBenchConfig, run_heartbeat_watch_bench
+
+    cfg = HeartbeatWatchBenchConfig(workers=workers, period_s=period_s, window_s=window_s)
+    typer.echo(json.dumps(run_heartbeat_watch_bench(cfg), indent=None if json_out else 2))
+
+
 @app.command("token-events")
 def token_events(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object.")] = False,
