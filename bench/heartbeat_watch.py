@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from nats.js import api
+from rich.console import Console
+from rich.progress import Progress
 
 from shared.bus.connection import close, connect
 from shared.config import BusSettings
@@ -42,6 +44,7 @@ from shared.service.watch import watch_workers
 from shared.stack.servers import NatsServer
 
 LAYERS = ("core_subscription", "ordered_consumer", "kv_watcher", "watch_workers")
+
 
 @dataclass(slots=True)
 class HeartbeatWatchBenchConfig:
@@ -122,11 +125,19 @@ async def _run(cfg: HeartbeatWatchBenchConfig, server: NatsServer) -> dict:
     duration = len(LAYERS) * (cfg.window_s + 2.0) + 2.0
     writer = subprocess.Popen([sys.executable, "-m", "bench.heartbeat_watch", server.url, str(cfg.workers),
                                str(cfg.period_s), str(duration)], stdout=subprocess.PIPE, text=True)
+    layers: dict[str, dict] = {}
     try:
         await asyncio.sleep(1.0)
-        layers = {layer: await _receive(server.url, layer, cfg.window_s) for layer in LAYERS}
-    finally:
-        writes = int(writer.communicate(timeout=duration + 60)[0].strip() or 0)
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("heartbeat watch layers", total=len(LAYERS))
+            for layer in LAYERS:
+                progress.update(task, description=f"{layer} ({cfg.window_s:g} s)")
+                layers[layer] = await _receive(server.url, layer, cfg.window_s)
+                progress.advance(task)
+    except BaseException:
+        writer.kill()
+        raise
+    writes = int(writer.communicate(timeout=duration + 60)[0].strip() or 0)
     floor = layers["core_subscription"]["cpu_us_per_message"] or 1.0
     return {
         "config": {"workers": cfg.workers, "period_s": round(cfg.period_s, 3), "window_s": cfg.window_s,
