@@ -10,7 +10,7 @@ heartbeats, or an event set while its waiter is cancelled, hits this often enoug
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -30,3 +30,17 @@ async def next_within(items: AsyncIterator[T], timeout_s: float | None) -> T:
     """The next item of `items`; TimeoutError after `timeout_s`, StopAsyncIteration at its end."""
     async with asyncio.timeout(timeout_s):
         return await anext(items)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], resend_s: float = 0.5) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again each `resend_s` while any runs.
+
+    A task whose cancel was lost inside a library's `asyncio.wait_for` (nats-py's requests and KV
+    reads use it) goes on; the next cancel reaches it at its next await. Their results and errors are
+    dropped: a task stopped here has nothing left to report.
+    """
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=resend_s)

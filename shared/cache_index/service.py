@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
 
+from shared.aio import cancel_and_wait
 from shared.cache_index import snapshot
 from shared.cache_index.feeds import IndexState
 from shared.cache_index.index import keys_of
@@ -97,12 +98,7 @@ class CacheIndex:
         self._tasks.append(asyncio.create_task(self._snapshot_timer()))
 
     async def stop(self, write_snapshot: bool = True) -> None:
-        running = [*self._tasks, *self._dumping.values(), *([self._snap_task] if self._snap_task else [])]
-        for t in running:
-            t.cancel()
-        for t in running:
-            with suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([*self._tasks, *self._dumping.values(), *([self._snap_task] if self._snap_task else [])])
         if self._sub is not None:
             with suppress(Exception):
                 await self._sub.unsubscribe()

@@ -43,6 +43,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry, Gauge
 
+from shared.aio import cancel_and_wait
 from shared.config import LiveBeladySettings
 from shared.eviction.access_window import Access, AccessWindow, as_trace
 from shared.log import get_logger
@@ -154,11 +155,7 @@ class LiveBelady:
         self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch())]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         if self._sub is not None:
             with suppress(Exception):
                 await self._sub.unsubscribe()

@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
 
+from shared.aio import cancel_and_wait
 from shared.bus.publish import Publisher
 from shared.cache_policy.registry import get_policy
 from shared.config import EvictionSettings
@@ -112,11 +113,7 @@ class EvictionService:
             self._tasks.append(asyncio.create_task(self._every(self.settings.gc_interval_s, self.collect)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         for sub in self._subs:
             with suppress(Exception):
                 await sub.unsubscribe()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.aio import next_within, wait_event
+from shared.aio import cancel_and_wait, next_within, wait_event
 
 
 async def _queue_items(q: asyncio.Queue[int]):
@@ -68,3 +68,24 @@ async def test_timeouts_and_results():
 
     with pytest.raises(StopAsyncIteration):
         await next_within(empty(), 1.0)
+
+
+async def test_cancel_and_wait_ends_a_task_that_lost_its_first_cancel():
+    """A loop whose cancel a library swallowed (as 3.11's wait_for does) runs on; the next cancel ends it."""
+    lost, ticks = [0], [0]
+
+    async def swallows_one_cancel() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+                ticks[0] += 1
+            except asyncio.CancelledError:
+                if lost[0]:
+                    raise
+                lost[0] += 1  # lost, as if it arrived with a result: the loop goes on
+
+    plain = asyncio.create_task(asyncio.sleep(3600))
+    stubborn = asyncio.create_task(swallows_one_cancel())
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(cancel_and_wait([plain, stubborn], resend_s=0.05), 10)
+    assert plain.cancelled() and stubborn.cancelled() and lost[0] == 1
