@@ -72,20 +72,20 @@ async def test_timeouts_and_results():
 
 async def test_cancel_and_wait_ends_a_task_that_lost_its_first_cancel():
     """A loop whose cancel a library swallowed (as 3.11's wait_for does) runs on; the next cancel ends it."""
-    lost, ticks = [0], [0]
+    started, lost = asyncio.Event(), [0]
 
     async def swallows_one_cancel() -> None:
+        started.set()
         while True:
             try:
-                await asyncio.sleep(0.01)
-                ticks[0] += 1
+                await asyncio.Event().wait()  # parked until cancelled
             except asyncio.CancelledError:
                 if lost[0]:
                     raise
                 lost[0] += 1  # lost, as if it arrived with a result: the loop goes on
 
-    plain = asyncio.create_task(asyncio.sleep(3600))
+    plain = asyncio.create_task(asyncio.Event().wait())
     stubborn = asyncio.create_task(swallows_one_cancel())
-    await asyncio.sleep(0.05)
+    await started.wait()
     await asyncio.wait_for(cancel_and_wait([plain, stubborn], resend_s=0.05), 10)
     assert plain.cancelled() and stubborn.cancelled() and lost[0] == 1
