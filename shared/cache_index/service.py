@@ -25,6 +25,7 @@ from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
 
 from shared.aio import cancel_and_wait
+from shared.bus.object_store import ObjectReadError
 from shared.cache_index import snapshot
 from shared.cache_index.feeds import IndexState
 from shared.cache_index.index import keys_of
@@ -131,12 +132,12 @@ class CacheIndex:
     # --- internals -----------------------------------------------------
 
     async def _restore(self) -> None:
-        blob = await snapshot.load(self.js, self.settings.snapshot_name)
-        if blob is None:
-            return
         try:
+            blob = await snapshot.load(self.js, self.settings.snapshot_name)
+            if blob is None:
+                return
             self.state = snapshot.decode(blob)
-        except snapshot.SnapshotError as exc:
+        except (snapshot.SnapshotError, ObjectReadError) as exc:
             log.warning("index snapshot unusable; replaying the whole stream", error=str(exc))
             self.state = IndexState()
             return

@@ -17,8 +17,9 @@ import zlib
 
 import numpy as np
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from shared.bus.object_store import read_object
 from shared.cache_index.feeds import Feed, IndexState
 from shared.cache_index.index import BlockIndex
 from shared.protocol import subjects
@@ -91,12 +92,8 @@ async def save(js: JetStreamContext, name: str, blob: bytes) -> None:
 
 async def load(js: JetStreamContext, name: str) -> bytes | None:
     """The stored blob, or None when there is none yet."""
-    store = await _bucket(js)
-    try:
-        result = await store.get(name)
-    except (ObjectNotFoundError, NotFoundError):
-        return None
-    return bytes(result.data) if result.data else None
+    await _bucket(js)  # declared on first use, as `save` does
+    return await read_object(js, subjects.INDEX_SNAPSHOT_BUCKET, name) or None
 
 
 async def _bucket(js: JetStreamContext):  # noqa: ANN202 - nats-py's ObjectStore
