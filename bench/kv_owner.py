@@ -22,16 +22,19 @@ import nats
 
 from bench.kv_chain import ChainSpec, chain_blocks
 from shared.cache_policy.base import LRUPolicy
-from shared.tiers.arena import HeapArena, ShmArena
+from shared.tiers.arena import HeapArena
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.l2_host import HostTier
 from shared.tiers.peer_nats import NatsPeerServer
+from shared.tiers.shm_slab import SlabArena
 
 
 def fill(spec: ChainSpec, worker_id: str, shm: bool) -> HostTier:
-    tier = HostTier(1 << 42, LRUPolicy(), spec.fingerprint, worker_id, ShmArena(worker_id) if shm else HeapArena())
-    for kb in chain_blocks(spec):
-        if not tier.put_encoded(encode_kv_block(kb, spec.fingerprint)).stored:
+    encoded = [encode_kv_block(kb, spec.fingerprint) for kb in chain_blocks(spec)]
+    room = 2 * sum(len(e) for e in encoded)
+    tier = HostTier(room, LRUPolicy(), spec.fingerprint, worker_id, SlabArena(worker_id, room) if shm else HeapArena())
+    for e in encoded:
+        if not tier.put_encoded(e).stored:
             raise RuntimeError("owner L2 refused a block")
     return tier
 

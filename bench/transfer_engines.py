@@ -6,7 +6,7 @@ memory. Paths:
 
     memcpy            numpy copy in one process: the reference every ratio is against
     shm_copy          POSIX shared memory, the reader copies out (same host only)
-    kvmesh_shm        ShmPeerClient.fetch_many over ShmArena: map + verify, no copy (same host only)
+    kvmesh_shm        ShmPeerClient.fetch_many over the owner's SlabArena: copy out + verify (same host only)
     nats_per_block    NatsPeerClient.fetch per block, 1 MiB messages, on nats-py (the path before #11)
     nats_batch_natspy NatsPeerClient.fetch_many of the whole chain, max_payload messages, on nats-py
     nats_batch        the same on the lean wire (shared/transfer/nats_wire.py): what workers use
@@ -100,12 +100,14 @@ def _owner_kvmesh(out, kind: str, nbytes: int, block_mib: int, url: str, stop) -
 
     from shared.cache_policy.base import LRUPolicy
     from shared.engine.kv_block import KVBlock
-    from shared.tiers.arena import HeapArena, ShmArena
+    from shared.tiers.arena import HeapArena
     from shared.tiers.l2_host import HostTier
+    from shared.tiers.shm_slab import SlabArena
 
     worker = f"bench-te-{os.getpid()}"
     shape = _block_shape(block_mib)
-    tier = HostTier(1 << 42, LRUPolicy(), FP, worker, ShmArena(worker) if kind == "kvmesh_shm" else HeapArena())
+    room = 2 * nbytes
+    tier = HostTier(room, LRUPolicy(), FP, worker, SlabArena(worker, room) if kind == "kvmesh_shm" else HeapArena())
     hashes, parent = [], None
     for i in range(nbytes // (block_mib * MIB)):
         h = i.to_bytes(4, "little") * 8

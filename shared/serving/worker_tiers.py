@@ -98,8 +98,8 @@ class WorkerTiers:
         client = NatsPeerClient(nc, fingerprint, counters, timeout_s=settings.tiers.peer_timeout_s)
         await client.start()
         shm = ShmPeerClient(fingerprint, counters)
-        resolver = Resolver(worker_id, l1=None, l2=l2, peers=ShmPeerClient(fingerprint, counters, client), l3=l3,
-                            counters=counters)
+        resolver = Resolver(worker_id, l1=None, l2=l2, peers=ShmPeerClient(fingerprint, counters, client, shm.slabs),
+                            l3=l3, counters=counters)
         tiers = cls(worker_id, l2, l3, uploads, shm, resolver, counters, events, server, client)
         if l3 is not None and l3.touches is not None:
             tiers._touch_task = asyncio.create_task(l3.touches.run(l3.client, l3.bucket))
@@ -116,6 +116,7 @@ class WorkerTiers:
             await self._peer_server.stop()
         if self._peer_client is not None:
             await self._peer_client.close()
+        self.shm_peers.slabs.close()
         self.l2.close()
 
     def missing(self, hashes: list[bytes]) -> list[bytes]:

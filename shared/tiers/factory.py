@@ -5,17 +5,18 @@ from __future__ import annotations
 from shared.cache_policy.registry import get_policy
 from shared.config import Settings
 from shared.stack.credentials import read_credentials
-from shared.tiers.arena import HeapArena, ShmArena
+from shared.tiers.arena import HeapArena
 from shared.tiers.circuit_breaker import CircuitBreaker
 from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import MissCounters
 from shared.tiers.s3_client import fast_fail_client
+from shared.tiers.shm_slab import SlabArena
 
 
 def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counters: MissCounters) -> HostTier:
     t = settings.tiers
-    arena = ShmArena(worker_id) if t.l2_shared_memory else HeapArena()
+    arena = SlabArena(worker_id, t.l2_capacity_bytes) if t.l2_shared_memory else HeapArena()
     return HostTier(t.l2_capacity_bytes, get_policy(t.l2_eviction_policy), fingerprint, worker_id, arena, counters)
 
 

@@ -103,8 +103,16 @@ class HostTier:
         if evicted is None:
             self.refused_blocks += 1
             return PutResult(False, [])
+        data = encoded if len(encoded) == total else memoryview(encoded)[:total]
+        while not self.arena.write(key, data):  # the arena's own limits (a slab's holes, its directory)
+            victim = self._lowest_unpinned(now)
+            if victim is None:
+                self.refused_blocks += 1
+                self.evicted_blocks += len(evicted)
+                return PutResult(False, evicted)
+            self.remove(victim)
+            evicted.append(victim)
         self.evicted_blocks += len(evicted)
-        self.arena.write(key, encoded if len(encoded) == total else memoryview(encoded)[:total])
         self._info[key] = info
         self._checksums[key] = checksum
         self.used_bytes += total
@@ -186,6 +194,10 @@ class HostTier:
         for key in victims:
             self.remove(key)
         return victims
+
+    def _lowest_unpinned(self, now: float) -> bytes | None:
+        unpinned = ((self.policy.priority(i, now), k) for k, i in self._info.items() if i.pinned_until <= now)
+        return min(unpinned, default=(None, None))[1]
 
     def _handle(self, key: bytes, size: int, checksum: bytes) -> BlockHandle:
         return BlockHandle(block_hash=key.hex(), tier=Tier.L2, worker_id=self.worker_id, size=size,

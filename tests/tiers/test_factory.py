@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from shared.config import Settings
-from shared.tiers.arena import ShmArena
+from shared.tiers.shm_slab import SlabArena
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.factory import build_host_tier, build_l3_store
 from shared.tiers.miss import MissCounters
@@ -19,7 +19,7 @@ def test_build_from_settings(s3_server, make_chain, fp, tmp_path) -> None:
     l2 = build_host_tier(settings, fp, f"w-factory-{os.getpid()}", counters)
     l3 = build_l3_store(settings, fp, block_size=16, counters=counters)
     try:
-        assert isinstance(l2.arena, ShmArena) and l3.chunk_blocks == 4 and l3.breaker.failure_threshold == 5
+        assert isinstance(l2.arena, SlabArena) and l3.chunk_blocks == 4 and l3.breaker.failure_threshold == 5
         blocks = make_chain(4)
         l2.put_block(blocks[0])
         assert l2.get(blocks[0].block_hash).header.block_hash == blocks[0].block_hash

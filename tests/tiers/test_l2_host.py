@@ -1,4 +1,4 @@
-"""L2 host tier: bit-exact round trips (heap and shared memory), eviction by policy, corruption."""
+"""L2 host tier: bit-exact round trips (heap and the shared-memory slab), eviction by policy, corruption."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 import torch
 
 from shared.cache_policy.base import LRUPolicy
-from shared.tiers.arena import ShmArena, attach_segment, segment_name
 from shared.tiers.block_format import decode_block, encode_kv_block
 from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Miss, MissReason, Tier
+from shared.tiers.shm_slab import SlabArena, SlabReader, slab_name
 
 
 class _Clock:
@@ -72,18 +72,18 @@ def test_corrupted_bytes_are_dropped_not_served(make_chain, fp) -> None:
 
 _READER = """
 import sys, torch
-from shared.tiers.arena import attach_segment
+from shared.tiers.shm_slab import SlabReader
 from shared.tiers.block_format import decode_block
-buf = attach_segment(sys.argv[1], bytes.fromhex(sys.argv[2]))
+buf = SlabReader().read(sys.argv[1], bytes.fromhex(sys.argv[2]))
 block = decode_block(buf, sys.argv[3], bytes.fromhex(sys.argv[2]))
 print(float(block.data.double().sum()), block.header.token_ids[0])
 """
 
 
 def test_shared_memory_round_trip_across_processes(make_chain, fp) -> None:
-    worker = f"w-shm-test-{os.getpid()}"  # segment names are machine-wide
-    arena = ShmArena(worker)
-    tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=worker, arena=arena)
+    worker = f"w-shm-test-{os.getpid()}"  # slab names are machine-wide
+    tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=worker, arena=SlabArena(worker, 1 << 30))
+    reader = SlabReader()
     try:
         block = make_chain(1, seed=3)[0]
         tier.put_block(block)
@@ -92,16 +92,34 @@ def test_shared_memory_round_trip_across_processes(make_chain, fp) -> None:
         out = subprocess.run([sys.executable, "-c", _READER, worker, block.block_hash.hex(), fp],
                              capture_output=True, text=True, timeout=60, check=True).stdout.split()
         assert float(out[0]) == float(block.data.double().sum()) and int(out[1]) == block.token_ids[0]
-        # A reader's writes stay private (copy-on-write): the owner's bytes do not change.
-        view = decode_block(attach_segment(worker, block.block_hash), fp)
+        # A reader gets a copy: its writes do not reach the owner's bytes.
+        view = decode_block(reader.read(worker, block.block_hash), fp)
         view.data.zero_()
         assert _same(tier.get(block.block_hash).to_kv_block().data, block.data)
         tier.remove(block.block_hash)
-        assert attach_segment(worker, block.block_hash) is None  # unlinked on eviction
-        assert segment_name(worker, block.block_hash) not in os.listdir("/dev/shm")
+        assert reader.read(worker, block.block_hash) is None  # gone from the directory on eviction
+    finally:
+        reader.close()
+        tier.close()
+    assert slab_name(worker) not in os.listdir("/dev/shm")  # the slab is unlinked with its owner
+
+
+def test_a_full_slab_evicts_by_policy_until_the_block_fits(make_chain, fp) -> None:
+    """The slab's own limit (here its directory, at half load) evicts like a full tier does."""
+    worker = f"w-slab-full-{os.getpid()}"
+    blocks = make_chain(80)
+    size = len(encode_kv_block(blocks[0], fp))
+    arena = SlabArena(worker, len(blocks) * size)
+    assert arena.max_blocks < len(blocks)  # small blocks: the directory fills before the bytes do
+    tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=worker, arena=arena, clock=_Clock())
+    try:
+        results = [tier.put_block(b) for b in blocks]
+        assert all(r.stored for r in results) and len(tier) == len(arena) == arena.max_blocks
+        gone = len(blocks) - arena.max_blocks
+        assert [h for r in results for h in r.evicted] == [b.block_hash for b in blocks[:gone]]  # LRU order
+        assert all(not isinstance(tier.get(b.block_hash), Miss) for b in blocks[gone:])
     finally:
         tier.close()
-
 
 
 def test_history_policies_hear_every_access_and_admission_is_respected(make_chain, fp) -> None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from shared.cache_policy.registry import get_policy
 from shared.serving.worker_tiers import L2Source, WorkerTiers, namespace_for
-from shared.tiers.arena import HeapArena, ShmArena
+from shared.tiers.arena import HeapArena
 from shared.tiers.block_format import encode_kv_block
 from shared.tiers.known_chunks import KnownChunks
 from shared.tiers.l2_host import HostTier
@@ -24,6 +24,7 @@ from shared.tiers.miss import Miss, MissCounters, MissReason
 from shared.tiers.peer_shm import ShmPeerClient
 from shared.tiers.resolver import Resolver
 from shared.tiers.s3_client import fast_fail_client
+from shared.tiers.shm_slab import SlabArena
 from shared.tiers.upload_queue import UploadQueue
 
 SALT = "5a" * 32
@@ -71,7 +72,7 @@ def _worker(store: L3Store, fp: str, tail_delay_s: float = 3600.0, max_bytes: in
     """A worker's tiers as WorkerTiers.start wires them, minus the NATS peer server (unused here)."""
     wid = f"w-{uuid.uuid4().hex[:8]}"
     counters = MissCounters()
-    l2 = HostTier(l2_bytes, get_policy("lru"), fp, wid, ShmArena(wid) if shm else HeapArena(), counters)
+    l2 = HostTier(l2_bytes, get_policy("lru"), fp, wid, SlabArena(wid, l2_bytes) if shm else HeapArena(), counters)
     queue = UploadQueue(store, max_bytes, source=L2Source(l2), tail_delay_s=tail_delay_s)
     queue.start()
     resolver = Resolver(wid, l2=l2, l3=store, counters=counters)
@@ -197,8 +198,8 @@ async def test_chunks_whose_blocks_left_l2_are_lost_with_the_rest_of_their_chain
 
 
 def test_a_shared_memory_view_outlives_eviction(make_chain, fp) -> None:
-    """What the queue relies on: bytes read before L2 frees a segment stay valid and unchanged."""
-    arena = ShmArena(f"w-{uuid.uuid4().hex[:8]}")
+    """What the queue relies on: bytes read before L2 frees a block stay valid and unchanged (reads copy)."""
+    arena = SlabArena(f"w-{uuid.uuid4().hex[:8]}", 1 << 20)
     encoded = encode_kv_block(make_chain(1, seed=6)[0], fp)
     arena.write(b"k" * 32, encoded)
     view = arena.read(b"k" * 32)

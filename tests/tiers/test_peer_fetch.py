@@ -73,11 +73,11 @@ async def test_nats_peer_fetch_in_chunks(nats_server, make_chain, fp) -> None:
 
 
 async def test_shm_peer_then_network_fallback(nats_server, make_chain, fp) -> None:
-    from shared.tiers.arena import ShmArena
+    from shared.tiers.shm_slab import SlabArena
     from shared.tiers.peer_shm import ShmPeerClient
 
     owner = f"owner-{os.getpid()}"  # segment names are machine-wide
-    shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner, arena=ShmArena(owner))
+    shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner, arena=SlabArena(owner, 1 << 30))
     net_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner)
     blocks = make_chain(3)
     shm_tier.put_block(blocks[0])  # on this machine, in shared memory
