@@ -259,3 +259,21 @@ def l3_gc(
                           old_max_objects=old_max_objects, fill_procs=fill_procs, put_threads=put_threads,
                           object_bytes=object_bytes)
     typer.echo(json.dumps(run_l3_gc_bench(cfg), indent=None if json_out else 2))
+
+
+@app.command()
+def soak(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    duration_s: Annotated[float, typer.Option(min=10, help="How long the agent lanes run.")] = 1200.0,
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent agent lanes (SWE-agent trajectories).")] = 8,
+    l2_blocks: Annotated[int, typer.Option(min=1, help="L2 per worker, in blocks (smaller than the working set).")] = 2048,
+    sample_every_s: Annotated[float, typer.Option(min=1, help="Seconds between two resource samples.")] = 30.0,
+    warmup_s: Annotated[float, typer.Option(min=0, help="Samples before this are left out of the flatness check.")] = 300.0,
+    png: Annotated[Path | None, typer.Option(help="Write a plot of fds and RSS over time here.")] = None,
+) -> None:
+    """Concurrent agent sessions through `kvmesh up` for a long time: fds, RSS, threads per process; errors, DLQ."""
+    from bench.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(duration_s=duration_s, sessions=sessions, l2_blocks=l2_blocks, sample_every_s=sample_every_s,
+                     warmup_s=warmup_s, png=png)
+    typer.echo(json.dumps(run_soak(cfg), indent=None if json_out else 2))

@@ -146,8 +146,8 @@ async def messages(request: Request) -> Any:
     started = time.monotonic()
     if not body.stream:
         done = await adm.state.gateway.complete(req)
-        adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
         usage = done.usage
+        adm.state.metrics.ttft_seconds.labels("messages").observe(usage.first_token_at - started)
         _account(adm, usage, len(done.token_ids))
         answer = adm.state.prompts.remember_answer(req.tenant, done.text, done.token_ids)
         full = adm.state.prompts.tokenizer.decode(done.token_ids)
@@ -163,7 +163,7 @@ async def messages(request: Request) -> Any:
     usage = Usage()
     events = adm.state.gateway.stream(req, usage).__aiter__()
     first = await events.__anext__()  # GatewayError here is still an HTTP error status
-    adm.state.metrics.ttft_seconds.labels("messages").observe(time.monotonic() - started)
+    adm.state.metrics.ttft_seconds.labels("messages").observe(usage.first_token_at - started)
     return StreamingResponse(_events(adm, req, body, placed, turn, usage, first, events, BlockEvents(parsing)),
                              media_type="text/event-stream",
                              headers={**SSE_HEADERS, **route_header(usage), **turn.header()})

@@ -4,7 +4,9 @@ Closed: calls pass; `failure_threshold` consecutive failures open it. Open:
 `allow()` is False (callers fail fast and recompute) until `reset_after_s`
 passes, then one caller at a time may probe (half-open). A successful probe
 closes it; a failed one reopens it for another `reset_after_s`. Nothing else
-is needed to recover: the next caller after the timeout is the probe.
+is needed to recover: the next caller after the timeout is the probe. A probe
+that reports neither (its call raised something the caller does not count)
+lapses after `reset_after_s`, and the next caller probes instead.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CircuitBreaker:
     _failures: int = 0
     _opened_at: float = 0.0
     _probing: bool = False
+    _probe_at: float = 0.0
     opens: int = 0  # how many times it opened (a metric)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -49,8 +52,9 @@ class CircuitBreaker:
             if self._state is BreakerState.OPEN and self.clock() - self._opened_at >= self.reset_after_s:
                 self._state = BreakerState.HALF_OPEN
                 self._probing = False
-            if self._state is BreakerState.HALF_OPEN and not self._probing:
-                self._probing = True
+            if self._state is BreakerState.HALF_OPEN and (
+                    not self._probing or self.clock() - self._probe_at >= self.reset_after_s):
+                self._probing, self._probe_at = True, self.clock()
                 return True
             return False
 

@@ -37,7 +37,7 @@ def test_bench_fleet_small_runs_and_reports(tmp_path):
         legs = row["lookup_legs"]
         assert 0 < legs["in_index"]["n"] <= row["lookup_nats"]["n"] and legs["to_index"]["p50_ms"] >= 0
         assert row["index_blocks"] > 0 and row["index_mb_per_1m_blocks"] > 0
-        assert row["index_ingest_events_per_s"] > 0 and row["ingest_keeps_up_10x"] in (True, False)
+        assert row["index_ingest_events_per_s"] > 0 and isinstance(row["ingest_keeps_up_10x"], bool)
         assert row["replay_lag"]["drain_after_replay_s"] is not None
         advice = row["eviction_advice"]
         assert advice["missed"] == 0 and advice["n"] == min(row["workers"], 12) and advice["p50_ms"] > 0, row

@@ -74,9 +74,9 @@ def test_greedy_tokens_identical_with_and_without_cache(loaded: LoadedModel, pro
     assert all(o.cached_tokens == (len(p) - 1) // BS * BS for o, p in zip(outs, prompts))
 
 
-@pytest.mark.parametrize("policy", ["lru", "cost", "tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "cost", "tinylfu", "session"])
 def test_preemption_and_chunking_really_happen(loaded: LoadedModel, policy: str) -> None:
-    """Pins the pressure the property test relies on, under LRU and the generic-heap policies."""
+    """Pins the pressure the property test relies on, under LRU, the generic-heap policies and session retention."""
     root = list(range(100, 130))
     prompts = [root + [7, 8, 9], root[:20] + [11] * 10, list(range(300, 330)), root[:9] + [5] * 21]
     want = reference(loaded, prompts)

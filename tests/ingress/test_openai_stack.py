@@ -164,7 +164,9 @@ def test_metrics_and_headers(stack: ServingStack) -> None:
                    json={"model": stack.model_dir.name, "prompt": "metrics please", "max_tokens": 2,
                          "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"].startswith("req_")
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    usage = r.json()["usage"]
+    assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int)
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
     text = stack.metrics()
     assert 'kvmesh_ingress_requests_total{route="/v1/completions",status="200"}' in text
     assert "kvmesh_ingress_ttft_seconds_count" in text and "kvmesh_ingress_cached_tokens_total" in text

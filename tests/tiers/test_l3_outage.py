@@ -39,6 +39,21 @@ def test_breaker_opens_fails_fast_and_half_opens_one_probe() -> None:
     assert br.state is BreakerState.CLOSED and br.allow()
 
 
+def test_a_probe_that_reports_nothing_lapses_and_the_next_caller_probes() -> None:
+    """A probe whose call raised an error the caller does not count would otherwise keep L3 off for good."""
+    clock = _Clock()
+    br = CircuitBreaker(failure_threshold=1, reset_after_s=5.0, clock=clock)
+    br.record_failure()
+    clock.t += 5.0
+    assert br.allow()  # the probe goes out and never reports back
+    clock.t += 4.9
+    assert not br.allow()  # still its turn
+    clock.t += 0.1
+    assert br.allow()  # lapsed: a new probe
+    br.record_success()
+    assert br.state is BreakerState.CLOSED
+
+
 async def _until(cond, deadline_s: float) -> bool:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

@@ -1,0 +1,225 @@
+"""`kvmesh bench soak`: a long concurrent agent load through `kvmesh up`, watching every process's resources.
+
+The product path: one stack started with `kvmesh up` (the default model and
+settings, NATS users on), an L2 smaller than the working set so that it
+evicts all along, and `sessions` agent lanes replaying SWE-agent
+trajectories (bench/agent_workload.py) as OpenAI tool-calling loops with the
+recorded tool time between calls. A lane that finishes a trajectory starts
+the next one under a new session id, until `duration_s` ends.
+
+Every `sample_every_s` the bench reads, for each process of the stack
+(services, nats-server, weed): open fds, RSS, threads and memory mappings,
+from /proc. At the end it reads the ingress's retries (a worker silent past
+its timeout: prefill retried or decode migrated) and the DEAD_LETTER
+stream's messages.
+
+`flat` judges the samples after `warmup_s`: per process, the fds stay within
+±5% of their median and RSS within ±10%. With `errors`, `dead_letters` and
+`retries` all 0 that is the target. A PNG of fds and RSS over time goes next
+to `--png` when matplotlib is installed (the bench extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from bench.agent_workload import AgentSession, build_agent_workload
+from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, running_stack, stream_chat
+
+FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    duration_s: float = 1200.0
+    sessions: int = 8  # concurrent agent lanes
+    max_steps: int = 10  # calls per trajectory after the first
+    max_tokens: int = 8
+    l2_blocks: int = 2048  # per worker: smaller than the lanes' contexts together, so L2 evicts
+    sample_every_s: float = 30.0
+    warmup_s: float = 300.0
+    seed: int = 0
+    png: Path | None = None
+
+
+def _proc(pid: int) -> dict | None:
+    """fds, RSS, threads and mappings of one process, or None when it is gone."""
+    base = Path(f"/proc/{pid}")
+    try:
+        status = dict(line.split(":", 1) for line in (base / "status").read_text().splitlines() if ":" in line)
+        fds = len(os.listdir(base / "fd"))
+        maps = sum(1 for _ in (base / "maps").open())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return {"fds": fds, "rss_mb": round(int(status["VmRSS"].split()[0]) / 1024, 1),
+            "threads": int(status["Threads"]), "maps": maps}
+
+
+def _processes(state_dir: Path) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in json.loads((state_dir / "stack.json").read_text())["processes"]}
+
+
+def _band(values: list[float]) -> float:
+    """The largest deviation from the median, as a share of it."""
+    mid = statistics.median(values)
+    return max(abs(v - mid) for v in values) / mid if mid else 0.0
+
+
+def judge(samples: list[dict], warmup_s: float) -> dict:
+    """Per process: how far fds and RSS strayed from their medians after warm-up, and whether that is flat."""
+    late = [s for s in samples if s["t_s"] >= warmup_s]
+    out: dict = {}
+    for name in sorted({n for s in late for n in s["procs"]}):
+        seen = [s["procs"][name] for s in late if s["procs"].get(name)]
+        if len(seen) < 2:
+            continue
+        fds, rss = _band([p["fds"] for p in seen]), _band([p["rss_mb"] for p in seen])
+        out[name] = {"fds_band": round(fds, 4), "rss_band": round(rss, 4), "fds_max": max(p["fds"] for p in seen),
+                     "rss_mb_max": max(p["rss_mb"] for p in seen), "threads_max": max(p["threads"] for p in seen),
+                     "flat": fds <= FDS_BAND and rss <= RSS_BAND}
+    return out
+
+
+async def _drive(base_url: str, model: str, sessions: list[AgentSession], tools: list[dict], cfg: SoakConfig,
+                 state_dir: Path, say: Console) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=600)
+    t0 = time.monotonic()
+    end = t0 + cfg.duration_s
+    calls = cached = prompt = 0
+    errors: list[str] = []
+    samples: list[dict] = []
+
+    async def lane(i: int) -> None:
+        nonlocal calls, cached, prompt
+        run = 0
+        while time.monotonic() < end:
+            s = sessions[(i + run * cfg.sessions) % len(sessions)]
+            name = f"{s.name}-lane{i}-run{run}"
+            for k in range(len(s.steps) + 1):
+                if time.monotonic() >= end:
+                    return
+                try:
+                    got = await stream_chat(client, model, s.messages(k), tools, cfg.max_tokens,
+                                            extra_headers={"x-session-id": name})
+                except openai.APIError as exc:
+                    errors.append(f"{name} call {k}: {exc}")
+                    say.log(f"error: {name} call {k}: {exc}", highlight=False)
+                else:
+                    calls, cached, prompt = calls + 1, cached + got.cached_tokens, prompt + got.prompt_tokens
+                if k < len(s.steps):
+                    await asyncio.sleep(s.steps[k].tool_s)
+            run += 1
+
+    async def sampler() -> None:
+        while True:
+            t = time.monotonic() - t0
+            procs = {name: _proc(pid) for name, pid in _processes(state_dir).items()}
+            samples.append({"t_s": round(t, 1), "calls": calls, "procs": procs})
+            fds = sum(p["fds"] for p in procs.values() if p)
+            say.log(f"{t:6.0f} s: {calls} calls, {len(errors)} errors, fds {fds}, "
+                    f"rss {sum(p['rss_mb'] for p in procs.values() if p):.0f} MB", highlight=False)
+            if time.monotonic() >= end:
+                return
+            await asyncio.sleep(min(cfg.sample_every_s, max(0.0, end - time.monotonic())))
+
+    watch = asyncio.create_task(sampler())
+    await asyncio.gather(*(lane(i) for i in range(cfg.sessions)))
+    await watch
+    await client.close()
+    return {"calls": calls, "errors": len(errors), "error_samples": errors[:10],
+            "cached_token_ratio": round(cached / max(1, prompt), 4), "samples": samples}
+
+
+async def _dead_letters(state_dir: Path) -> int:
+    import nats
+
+    from shared.bus.client_auth import connect_kwargs
+    from shared.protocol.streams import DEAD_LETTER
+    from shared.stack.nats_credentials import admin_auth
+
+    url = json.loads((state_dir / "stack.json").read_text())["nats_url"]
+    nc = await nats.connect(**connect_kwargs(url, admin_auth(state_dir)))
+    try:
+        return (await nc.jetstream().stream_info(DEAD_LETTER.name)).state.messages
+    finally:
+        await nc.close()
+
+
+def _ingress_retries(state_dir: Path) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
+        if not ep["name"].startswith("ingress") or ep["check"] != "http":
+            continue
+        for family in text_string_to_metric_families(httpx.get(f"{ep['url']}/metrics", timeout=10).text):
+            if family.name == "kvmesh_ingress_retries":
+                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+def _plot(samples: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = sorted({n for s in samples for n in s["procs"]})
+    fig, (ax_fd, ax_rss) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for name in names:
+        pts = [(s["t_s"] / 60, s["procs"][name]) for s in samples if s["procs"].get(name)]
+        ax_fd.plot([t for t, _ in pts], [p["fds"] for _, p in pts], label=name)
+        ax_rss.plot([t for t, _ in pts], [p["rss_mb"] for _, p in pts], label=name)
+    ax_fd.set_ylabel("open fds")
+    ax_rss.set_ylabel("RSS (MB)")
+    ax_rss.set_xlabel("minutes")
+    ax_fd.legend(fontsize=7, ncol=3)
+    ax_fd.set_title("kvmesh bench soak: every process of the stack")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_soak(cfg: SoakConfig) -> dict:
+    import tempfile
+
+    from shared.engine.presets import PRESETS, write_preset
+    from shared.stack.model import DEFAULT_PRESET
+
+    say = Console(stderr=True)
+    w = build_agent_workload(REPO_ROOT, cfg.sessions * 2, seed=cfg.seed, max_steps=cfg.max_steps)
+    p = PRESETS[DEFAULT_PRESET]
+    kv_block_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * 4 * 16  # fp32, 16-token blocks
+    result: dict = {"config": {"duration_s": cfg.duration_s, "sessions": cfg.sessions, "l2_blocks": cfg.l2_blocks,
+                               "model": DEFAULT_PRESET, "sample_every_s": cfg.sample_every_s,
+                               "warmup_s": cfg.warmup_s}}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-soak-") as tmp:
+        model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
+        state_dir = Path(tmp) / "stack"
+        state_dir.mkdir()
+        env = {"KVMESH_ENGINE__BLOCK_SIZE": "16", "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
+        with running_stack(model_dir, ServeBenchConfig(model_dir=model_dir), True, say, env, state_dir) as url:
+            say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s")
+            result |= asyncio.run(_drive(url, model_dir.name, list(w.sessions), w.tools, cfg, state_dir, say))
+            result["dead_letters"] = asyncio.run(_dead_letters(state_dir))
+            result["retries"] = _ingress_retries(state_dir)
+    result["processes"] = judge(result["samples"], cfg.warmup_s)
+    result["flat"] = bool(result["processes"]) and all(p["flat"] for p in result["processes"].values())
+    result["target_met"] = result["flat"] and not (result["errors"] or result["dead_letters"] or result["retries"])
+    if cfg.png is not None and _plot(result["samples"], cfg.png):
+        result["png"] = str(cfg.png)
+    return result
