@@ -3,8 +3,9 @@
 Each check returns a bool; the runner puts them in the report under
 `invariants`. The rules: an accepted request ends with the fault-free
 tokens or with a retriable error inside its deadline; nothing stays queued
-in a work-queue stream; latency comes back within 2x the baseline p99; no
-damaged L3 object outlives the GC window. The index's agreement with the
+in a work-queue stream; latency comes back: within `RECOVERY_BOUND_S` of the
+heal begins a `RECOVERY_WINDOW_S` window whose requests all succeed with a
+p99 within 2x the baseline p99; no damaged L3 object outlives the GC window. The index's agreement with the
 workers is checked in `chaos.index_truth`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 
 from minio import Minio
 
@@ -22,6 +24,9 @@ from shared.tiers.chunk_format import decode_toc
 from shared.tiers.miss import BlockMiss
 
 RETRIABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RECOVERY_WINDOW_S = 10.0  # the window after the heal whose p99 must be back within 2x the baseline's
+RECOVERY_BOUND_S = 30.0  # ... and it must begin this soon after the heal
+RECOVERY_MIN_REQUESTS = 3  # a window with fewer requests proves nothing
 
 
 def p99_ms(outcomes: list[Outcome]) -> float | None:
@@ -42,22 +47,26 @@ def errors_clean(outcomes: list[Outcome], deadline_s: float) -> bool:
                for o in outcomes if not o.ok)
 
 
-def first_good_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float) -> float | None:
-    """Seconds from the heal until a request begun after it completes within 2x the baseline p99."""
-    for o in sorted(outcomes, key=lambda o: o.ended):
-        if o.ok and o.started >= healed_at and o.latency_ms <= 2 * baseline_p99_ms:
-            return o.ended - healed_at
-    return None
+def recovery_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float,
+               window_s: float = RECOVERY_WINDOW_S) -> float | None:
+    """Seconds from the heal to the start of the first window of `window_s` that shows latency back.
 
-
-def recovery_s(outcomes: list[Outcome], healed_at: float, baseline_p99_ms: float) -> float:
-    """Seconds from the heal until the last request that was errored or slower than 2x the baseline p99.
-
-    Strict: every request begun after the heal counts, so on a loaded machine noise shows up here too.
+    The window's requests (those begun in it; at least RECOVERY_MIN_REQUESTS) all succeeded and their
+    p99 is within 2x the baseline p99. A window counts only once it is over: some request began after
+    it. Windows start at the heal or just after a request began; None when no window qualifies.
     """
-    bad = [o.ended for o in outcomes
-           if o.ended > healed_at and (not o.ok or o.latency_ms > 2 * baseline_p99_ms)]
-    return max(bad) - healed_at if bad else 0.0
+    after = sorted((o for o in outcomes if o.started >= healed_at), key=lambda o: o.started)
+    if not after:
+        return None
+    starts = [o.started for o in after]
+    for i, t in enumerate([healed_at, *(s + 1e-6 for s in starts)]):
+        if t + window_s > starts[-1]:
+            return None
+        window = after[i:bisect_left(starts, t + window_s)]
+        if len(window) >= RECOVERY_MIN_REQUESTS and all(o.ok for o in window) \
+                and (p99_ms(window) or 0.0) <= 2 * baseline_p99_ms:
+            return t - healed_at
+    return None
 
 
 def nothing_pending(nats_urls: list[str], timeout_s: float = 30.0) -> bool:

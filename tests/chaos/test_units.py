@@ -121,3 +121,23 @@ def test_overload_error_carries_retry_after() -> None:
     busy = gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "too many requests in flight (6)"))
     assert busy.status(Dialect.OPENAI) == 503 and busy.headers() == {"retry-after": "1"}
     assert gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "gone", retriable=False)).headers() == {}
+
+
+def _outcomes(spec: list[tuple[float, float, bool]]) -> list:
+    from chaos.load import Outcome
+
+    return [Outcome("p", start, start + latency, ok) for start, latency, ok in spec]
+
+
+def test_recovery_is_the_first_window_whose_p99_is_back() -> None:
+    from chaos.invariants import RECOVERY_WINDOW_S, recovery_s
+
+    steady = [(100.0 + 0.5 * i, 0.2, True) for i in range(60)]  # a request every 0.5 s, 200 ms each
+    assert recovery_s(_outcomes(steady), 100.0, 200.0) == 0.0
+    # errors until 104 s, then slow (1 s > 2 x 200 ms) until 108 s: latency is back from just after 107.5 s
+    troubled = [(s, 1.0 if s < 108 else lat, ok and s >= 104) for s, lat, ok in steady]
+    assert recovery_s(_outcomes(troubled), 100.0, 200.0) == pytest.approx(7.5, abs=1e-3)
+    assert recovery_s(_outcomes(troubled), 100.0, 600.0) == pytest.approx(3.5, abs=1e-3)  # errors still count
+    assert recovery_s(_outcomes([(s, 1.0, ok) for s, _, ok in steady]), 100.0, 200.0) is None  # never back
+    # a window that is not over yet proves nothing
+    assert recovery_s(_outcomes([o for o in steady if o[0] < 100.0 + RECOVERY_WINDOW_S - 1]), 100.0, 200.0) is None
