@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.protocol import subjects
 
@@ -32,6 +32,7 @@ HOUR = 60 * MINUTE
 DAY = 24 * HOUR
 
 _STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: exists with another config -> update it
+_STREAM_UPDATE_REFUSED = 10052  # JSStreamUpdateErrF: e.g. "can not change storage type" (a 500, yet permanent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,14 +201,31 @@ def worker_consumer(stream: StreamSpec, role: str, worker_id: str, filter_subjec
                         per_worker=True)
 
 
+class StreamConfigConflict(RuntimeError):
+    """A stream exists with a config that cannot be updated in place to this release's (its data is kept)."""
+
+
 async def declare_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
-    """Create the stream, or update it in place when it exists with another config."""
+    """Create the stream, or update it in place when it exists with another config.
+
+    Raises StreamConfigConflict when the server refuses the update (a field it cannot change in place,
+    such as storage or retention): nothing is deleted, the message says what to do.
+    """
     try:
         return await js.add_stream(config)
     except BadRequestError as exc:
         if exc.err_code != _STREAM_NAME_IN_USE:
             raise
-    return await js.update_stream(config)
+    try:
+        return await js.update_stream(config)
+    except APIError as exc:
+        if not isinstance(exc, BadRequestError) and exc.err_code != _STREAM_UPDATE_REFUSED:
+            raise
+        raise StreamConfigConflict(
+            f"stream {config.name} exists with a config this release cannot update in place "
+            f"({exc.description}); its messages are kept. Either delete that stream with an admin NATS "
+            f"client (its messages are lost; `kvmesh up` then declares it anew) or start with "
+            f"`kvmesh up --fresh` (wipes every stream and the S3 data)") from None
 
 
 async def declare_consumer(js: JetStreamContext, spec: ConsumerSpec,

@@ -20,15 +20,19 @@ CALL_TIMEOUT_S = 1.0  # per JetStream API call; short, so a retry follows soon a
 
 def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> None:
     """nats_url may list a cluster's nodes, comma separated; `auth`: a user allowed to declare (admin)."""
+    from shared.protocol.streams import StreamConfigConflict
+
     try:
         asyncio.run(_declare(nats_url, replicas, time.monotonic() + timeout_s, auth))
+    except StreamConfigConflict as exc:
+        raise StackError(ExitCode.START_FAILED, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - connection, timeout or JetStream API errors alike
         raise StackError(ExitCode.START_FAILED, f"declaring streams on {nats_url} failed: {exc!r}") from None
 
 
 async def _declare(nats_url: str, replicas: int, deadline: float, auth: ClientAuth | None) -> None:
     import nats
-    from shared.protocol.streams import declare_all
+    from shared.protocol.streams import StreamConfigConflict, declare_all
 
     nc = await nats.connect(**connect_kwargs(nats_url, auth), connect_timeout=5, max_reconnect_attempts=2,
                             allow_reconnect=False)
@@ -37,6 +41,8 @@ async def _declare(nats_url: str, replicas: int, deadline: float, auth: ClientAu
             try:
                 await declare_all(nc.jetstream(timeout=CALL_TIMEOUT_S), replicas=replicas)
                 return
+            except StreamConfigConflict:
+                raise  # permanent: retrying cannot help
             except (nats.errors.Error, TimeoutError):  # JetStream API errors and timeouts
                 if nc.is_closed or time.monotonic() + RETRY_S >= deadline:
                     raise

@@ -66,3 +66,37 @@ async def test_a_per_worker_stream_takes_more_than_the_servers_default_1000_cons
                     break
                 made += 1
             assert made == (1001 if name == streams.JOBS.name else 1000), name
+
+
+def test_a_stream_the_release_cannot_update_stops_up_with_what_to_do(fresh_nats_server):
+    """A state dir whose JOBS stream was made with another storage type (not changeable in place): `kvmesh up`'s
+    declaration fails at once with one message naming the stream and the ways on, and deletes nothing."""
+    import asyncio
+
+    import pytest
+
+    from shared.stack.declare import declare_streams
+    from shared.stack.errors import StackError
+
+    import nats
+
+    async def older_release() -> None:
+        nc = await nats.connect(fresh_nats_server.url)
+        js = nc.jetstream()
+        await js.add_stream(replace(streams.JOBS.config(), storage=api.StorageType.MEMORY))
+        await js.publish("kvmesh.jobs.prefill.any", b"an acknowledged job")
+        await nc.close()
+
+    async def jobs_messages() -> int:
+        nc = await nats.connect(fresh_nats_server.url)
+        try:
+            return (await nc.jetstream().stream_info(streams.JOBS.name)).state.messages
+        finally:
+            await nc.close()
+
+    asyncio.run(older_release())
+    with pytest.raises(StackError) as failed:
+        declare_streams(fresh_nats_server.url, replicas=1, timeout_s=60)
+    message = str(failed.value)
+    assert "stream JOBS" in message and "--fresh" in message and "storage" in message.lower(), message
+    assert asyncio.run(jobs_messages()) == 1
