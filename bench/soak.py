@@ -10,12 +10,12 @@ the next one under a new session id, until `duration_s` ends.
 Every `sample_every_s` the bench reads, for each process of the stack
 (services, nats-server, weed): open fds, RSS, threads and memory mappings,
 from /proc. At the end it reads the ingress's retries (a worker silent past
-its timeout: prefill retried or decode migrated) and the DEAD_LETTER
-stream's messages.
+its timeout: prefill retried or decode migrated), the DEAD_LETTER stream's
+messages and the blocks L2 evicted (it must, for the run to count).
 
 `flat` judges the samples after `warmup_s`: per process, the fds stay within
-±5% of their median and RSS within ±10%. With `errors`, `dead_letters` and
-`retries` all 0 that is the target. A PNG of fds and RSS over time goes next
+±5% of their median and RSS within ±10%. `target_met`: flat, L2 evicted, and
+`errors`, `dead_letters` and `retries` all 0. A PNG of fds and RSS over time goes next
 to `--png` when matplotlib is installed (the bench extra).
 """
 
@@ -155,17 +155,22 @@ async def _dead_letters(state_dir: Path) -> int:
         await nc.close()
 
 
-def _ingress_retries(state_dir: Path) -> float:
+def _counter(state_dir: Path, family_name: str, **labels: str) -> float:
+    """A counter summed over every service of the stack (and over the labels not named)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
     for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
-        if not ep["name"].startswith("ingress") or ep["check"] != "http":
+        if ep["check"] != "http" or not ep["url"].startswith("http://"):
             continue
-        for family in text_string_to_metric_families(httpx.get(f"{ep['url']}/metrics", timeout=10).text):
-            if family.name == "kvmesh_ingress_retries":
-                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
+        if reply.status_code != 200:  # not a kvmesh service (a server's console)
+            continue
+        for family in text_string_to_metric_families(reply.text):
+            if family.name == family_name:
+                total += sum(s.value for s in family.samples if s.name.endswith("_total")
+                             and all(s.labels.get(k) == v for k, v in labels.items()))
     return total
 
 
@@ -216,10 +221,13 @@ def run_soak(cfg: SoakConfig) -> dict:
             say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s")
             result |= asyncio.run(_drive(url, model_dir.name, list(w.sessions), w.tools, cfg, state_dir, say))
             result["dead_letters"] = asyncio.run(_dead_letters(state_dir))
-            result["retries"] = _ingress_retries(state_dir)
+            result["retries"] = _counter(state_dir, "kvmesh_ingress_retries")
+            result["l2_evicted_blocks"] = _counter(state_dir, "kvmesh_local_evicted_blocks", tier="l2",
+                                                   reason="capacity")
     result["processes"] = judge(result["samples"], cfg.warmup_s)
     result["flat"] = bool(result["processes"]) and all(p["flat"] for p in result["processes"].values())
-    result["target_met"] = result["flat"] and not (result["errors"] or result["dead_letters"] or result["retries"])
+    result["target_met"] = (result["flat"] and result["l2_evicted_blocks"] > 0
+                            and not (result["errors"] or result["dead_letters"] or result["retries"]))
     if cfg.png is not None and _plot(result["samples"], cfg.png):
         result["png"] = str(cfg.png)
     return result

@@ -1,0 +1,42 @@
+"""`kvmesh bench soak`: the flatness judgement on its own, and a short run through `kvmesh up`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bench.soak import judge
+from shared.cli.main import app
+
+
+def _samples(fds: list[int], rss: list[float]) -> list[dict]:
+    return [{"t_s": 30.0 * i, "calls": i, "procs": {"prefill-0": {"fds": f, "rss_mb": r, "threads": 9, "maps": 400},
+                                                     "gone-0": None}}
+            for i, (f, r) in enumerate(zip(fds, rss, strict=True))]
+
+
+def test_flat_means_fds_within_5_and_rss_within_10_percent_after_warmup() -> None:
+    warm = [100, 150, 200]  # warm-up samples (t < 90 s) are left out
+    steady = judge(_samples(warm + [200, 204, 198, 201], [50, 80, 100, 100, 108, 95, 100]), warmup_s=90)
+    assert steady["prefill-0"]["flat"] and steady["prefill-0"]["fds_max"] == 204
+    assert "gone-0" not in steady  # a process never seen after warm-up is not judged
+    leaking = judge(_samples(warm + [200, 220, 240, 260], [50, 80, 100, 100, 100, 100, 100]), warmup_s=90)
+    assert not leaking["prefill-0"]["flat"] and leaking["prefill-0"]["fds_band"] > 0.05
+    growing = judge(_samples(warm + [200, 200, 200, 200], [50, 80, 100, 100, 115, 130, 145]), warmup_s=90)
+    assert not growing["prefill-0"]["flat"] and growing["prefill-0"]["rss_band"] > 0.10
+
+
+@pytest.mark.slow
+def test_a_short_soak_through_the_stack_reports_every_process() -> None:
+    result = CliRunner().invoke(app, ["bench", "soak", "--json", "--duration-s", "20", "--sessions", "2",
+                                      "--sample-every-s", "5", "--warmup-s", "5", "--l2-blocks", "64"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["calls"] > 0 and out["errors"] == 0 and out["dead_letters"] == 0, out["error_samples"]
+    assert len(out["samples"]) >= 3
+    names = set(out["processes"])
+    assert {"nats", "s3", "prefill-0", "decode-0", "ingress-0", "cache_index-0", "eviction-0"} <= names
+    assert all(p["fds_max"] > 0 and p["rss_mb_max"] > 0 and p["threads_max"] > 0 for p in out["processes"].values())
+    assert out["l2_evicted_blocks"] > 0  # 64 blocks of L2: the lanes' contexts do not fit
