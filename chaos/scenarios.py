@@ -124,6 +124,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 
 BASELINE_MAX_S = 20.0
+ERRORED_LISTED = 20  # errored requests named in a report (the count is in `requests`)
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
@@ -184,6 +185,10 @@ def run(stack: ChaosStack, scenario: Scenario, refs: dict[str, str], duration_s:
             **probed,
         },
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+        # which requests failed and why, timed from the fault (a scenario may have to fail some: ingress down)
+        "errored_requests": [{"started_s": round(o.started - fault_at, 3), "ended_s": round(o.ended - fault_at, 3),
+                              "prompt": o.prompt, "status": o.status, "error": o.error}
+                             for o in outcomes if not o.ok][:ERRORED_LISTED],
     }
     if plot_dir is not None:
         report["plot"] = str(plot(plot_dir / f"{scenario.name}.png", scenario.name, outcomes, t0,

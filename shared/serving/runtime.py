@@ -55,10 +55,11 @@ class WorkerRuntime:
         await events.start(ctx.nc)  # before the engine stores its first block
         engine = EngineLoop(Engine(loaded, s.engine, listener=events))  # policy: settings.engine.eviction_policy
         engine.start()
-        tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events)
+        block_bytes = loaded.config.kv_bytes_per_token() * s.engine.block_size
+        tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events,
+                                        block_bytes=block_bytes)
         tiers.counters.export(ctx.metrics.registry)  # checksum/corruption misses visible on /metrics
-        metrics = export_worker_metrics(ctx.metrics.registry, engine.engine, tiers,
-                                        loaded.config.kv_bytes_per_token() * s.engine.block_size)
+        metrics = export_worker_metrics(ctx.metrics.registry, engine.engine, tiers, block_bytes)
         peers = PeerDirectory(ctx.js, ctx.worker_id)
         peers.start()
         policy = engine.engine.cache.policy

@@ -75,9 +75,10 @@ class WorkerTiers:
 
     @classmethod
     async def start(cls, settings: Settings, nc: NATS, worker_id: str, fingerprint: str, block_size: int,
-                    events: KVEventPublisher | None = None) -> WorkerTiers:
+                    events: KVEventPublisher | None = None, block_bytes: int | None = None) -> WorkerTiers:
+        """`block_bytes`: the KV payload of one block (sizes a shared-memory L2's directory; None: a guess)."""
         counters = MissCounters()
-        l2 = build_host_tier(settings, fingerprint, worker_id, counters)
+        l2 = build_host_tier(settings, fingerprint, worker_id, counters, block_bytes)
         l3 = build_l3_store(settings, fingerprint, block_size, counters)
         uploads = None
         if l3 is not None:

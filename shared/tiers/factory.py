@@ -11,12 +11,15 @@ from shared.tiers.l2_host import HostTier
 from shared.tiers.l3_store import L3Store
 from shared.tiers.miss import MissCounters
 from shared.tiers.s3_client import fast_fail_client
-from shared.tiers.shm_slab import SlabArena
+from shared.tiers.shm_slab import MIN_BLOCK_BYTES, SlabArena
 
 
-def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counters: MissCounters) -> HostTier:
+def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counters: MissCounters,
+                    block_bytes: int | None = None) -> HostTier:
+    """`block_bytes`: one block's KV payload, so the slab's directory holds as many blocks as L2's bytes do."""
     t = settings.tiers
-    arena = SlabArena(worker_id, t.l2_capacity_bytes) if t.l2_shared_memory else HeapArena()
+    arena = (SlabArena(worker_id, t.l2_capacity_bytes, block_bytes or MIN_BLOCK_BYTES) if t.l2_shared_memory
+             else HeapArena())
     return HostTier(t.l2_capacity_bytes, get_policy(t.l2_eviction_policy), fingerprint, worker_id, arena, counters)
 
 

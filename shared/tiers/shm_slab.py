@@ -37,7 +37,7 @@ _HEADER_BYTES = 64
 _ENTRY = struct.Struct("<32sQQ")
 _PAGE = 4096
 KEY_BYTES = 32
-MIN_BLOCK_BYTES = 16 * 1024  # directory sizing: capacity / this many blocks fit at half load (48 B per slot)
+MIN_BLOCK_BYTES = 16 * 1024  # directory sizing when the block size is not given (48 B per slot, half load)
 _REMAP_CHECK_S = 10.0  # a reader re-checks the slabs it holds this often (owners gone or restarted)
 
 
@@ -51,8 +51,8 @@ def _slab_path(worker_id: str) -> str:
     return os.path.join(SHM_DIR, slab_name(worker_id))
 
 
-def _directory_slots(capacity_bytes: int) -> int:
-    want = max(64, 2 * capacity_bytes // MIN_BLOCK_BYTES)
+def _directory_slots(capacity_bytes: int, block_bytes: int) -> int:
+    want = max(64, 2 * capacity_bytes // max(1, block_bytes))
     return 1 << (want - 1).bit_length()
 
 
@@ -82,9 +82,11 @@ def _copy_out(mm: mmap.mmap, start: int, length: int) -> memoryview:
 class SlabArena:
     """A worker's L2 bytes in its slab. `write` says False when no room is left (the tier evicts more)."""
 
-    def __init__(self, worker_id: str, capacity_bytes: int, align: int = 64) -> None:
+    def __init__(self, worker_id: str, capacity_bytes: int, block_bytes: int = MIN_BLOCK_BYTES,
+                 align: int = 64) -> None:
+        """`block_bytes`: the smallest block expected; the directory holds capacity / block_bytes blocks."""
         self.worker_id = worker_id
-        self.slots = _directory_slots(capacity_bytes)
+        self.slots = _directory_slots(capacity_bytes, block_bytes)
         self.max_blocks = self.slots // 2  # linear probing stays short at half load
         self._data_off = -(-(_HEADER_BYTES + self.slots * _ENTRY.size) // _PAGE) * _PAGE
         data_bytes = capacity_bytes + self.max_blocks * align  # room for each block's rounding

@@ -30,3 +30,13 @@ def test_build_from_settings(s3_server, make_chain, fp, tmp_path) -> None:
         l2.close()
     assert build_l3_store(Settings(state_dir=tmp_path, tiers={"l3_enabled": False}), fp, 16, counters) is None
     assert build_l3_store(Settings(state_dir=tmp_path), fp, 16, counters) is None  # no credentials: recompute
+
+
+def test_the_slab_directory_holds_as_many_blocks_as_l2_bytes_do(tmp_path) -> None:
+    """8 KiB blocks (the default preset's) in 2 GiB: the directory is sized by the block, not a guess."""
+    settings = Settings(state_dir=tmp_path, tiers={"l2_capacity_bytes": 2 << 30})
+    l2 = build_host_tier(settings, "fp", f"w-factory-dir-{os.getpid()}", MissCounters(), block_bytes=8192)
+    try:
+        assert l2.arena.max_blocks >= (2 << 30) // 8192
+    finally:
+        l2.close()
