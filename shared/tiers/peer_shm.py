@@ -17,7 +17,8 @@ from shared.tiers.shm_slab import SlabReader
 
 
 class ShmPeerClient:
-    def __init__(self, fingerprint: str, counters: MissCounters, fallback=None, slabs: SlabReader | None = None) -> None:
+    def __init__(self, fingerprint: str, counters: MissCounters, fallback=None,
+                 slabs: SlabReader | None = None) -> None:
         self.fingerprint = fingerprint
         self.counters = counters
         self.fallback = fallback  # a PeerTransport (shared/transfer/peer_transport.py), or None: same machine only

@@ -73,10 +73,10 @@ async def test_nats_peer_fetch_in_chunks(nats_server, make_chain, fp) -> None:
 
 
 async def test_shm_peer_then_network_fallback(nats_server, make_chain, fp) -> None:
-    from shared.tiers.shm_slab import SlabArena
     from shared.tiers.peer_shm import ShmPeerClient
+    from shared.tiers.shm_slab import SlabArena
 
-    owner = f"owner-{os.getpid()}"  # segment names are machine-wide
+    owner = f"owner-{os.getpid()}"  # slab names are machine-wide
     shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner, arena=SlabArena(owner, 1 << 30))
     net_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner)
     blocks = make_chain(3)
