@@ -20,12 +20,12 @@ from shared.serving.engine_loop import EngineLoop
 from shared.tiers.l2_host import HostTier
 from shared.tiers.miss import Tier
 
-from .helpers import BS, PARAMS, PROMPT
-from .test_service import service
+from .helpers import BS, PARAMS, PROMPT, chain
+from .test_service import service, worker_events
 
 
 async def test_demote_advice_moves_a_real_workers_blocks(fresh_nats_server, tiny_loaded) -> None:
-    url, worker = fresh_nats_server.url, unique("w")
+    url, worker, later = fresh_nats_server.url, unique("w"), unique("w")
     async with connected(url, worker) as nc:
         js, metrics = nc.jetstream(), ServiceMetrics.create("test")
         pub = Publisher(js, FAST_BUS, metrics)
@@ -51,8 +51,15 @@ async def test_demote_advice_moves_a_real_workers_blocks(fresh_nats_server, tiny
                     occ = svc.view.workers.get(worker)
                     return occ is not None and occ.count(Tier.L1) == 2 and occ.count(Tier.L2) == 2
                 await eventually(settled, 10, "the worker's events reached the service")
-                await asyncio.sleep(3 * svc.settings.tick_s)
-                assert handler.applied.moved == 2 and len(svc.sent) == 1  # below high water: no more advice
+                # Below high water now: no more advice. Shown by a later worker over high water: the tick
+                # that advises it goes over every worker in the order the service first saw them, this one
+                # first, so any further advice of this one would already be in `sent`.
+                async with worker_events(url, later) as other:
+                    other.stored(chain(4, "later"), Tier.L1, tokens_per_block=BS)
+                    await other.flushed()
+                    await eventually(lambda: any(c.worker == later for c in svc.sent), 10,
+                                     "advice to the later over-full worker")
+                assert handler.applied.moved == 2 and [c.worker for c in svc.sent if c.worker != later] == [worker]
             again = await loop.call(lambda e: e.generate([PROMPT], PARAMS)[0])
             assert again.token_ids == first.token_ids and again.cached_tokens == 2 * BS
         finally:

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from waits import until_sync
 
 from ingress.serving_stack import ServingStack, make_stack
 from shared.ingress.router import home
+from shared.protocol import subjects
 from shared.stack.servers import NatsServer, S3Server
 
 KEY = "sk-faults"
@@ -51,14 +53,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_mo
 
 def _wait_all_live(s: ServingStack) -> None:
     """Both workers of each role seen by the ingress (readiness needs only one of each)."""
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if all(s.procs[w].proc.poll() is None for w in PREFILLS + DECODES) and _live_count(s) >= 4:
-            return
-        time.sleep(0.3)
-    raise TimeoutError("workers did not all come up")
+    until_sync(lambda: all(s.procs[w].proc.poll() is None for w in PREFILLS + DECODES) and _live_count(s) >= 4,
+               60, "all four workers running and live in the workers bucket", poll_s=0.3)
 
 
 def _live_count(s: ServingStack) -> int:
@@ -78,6 +74,25 @@ def _live_count(s: ServingStack) -> int:
     return asyncio.run(count())
 
 
+def _last_job_seq(s: ServingStack, worker: str) -> int:
+    """The JOBS stream sequence of the latest job stored for prefill `worker` (0: none)."""
+    import asyncio
+
+    import nats as nats_py
+    from nats.js.errors import NotFoundError
+
+    async def last() -> int:
+        nc = await nats_py.connect(s.nats.url)
+        try:
+            return (await nc.jetstream().get_last_msg("JOBS", subjects.jobs_prefill(worker))).seq
+        except NotFoundError:
+            return 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(last())
+
+
 def client(stack: ServingStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -94,17 +109,14 @@ def retries(stack: ServingStack) -> float:
 
 def wait_routed_to(stack: ServingStack, key: str, route: str, timeout_s: float = 20.0) -> None:
     """Send small requests with affinity `key` until the ingress routes them as `route` says."""
-    import time
-
     c = client(stack)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def routed() -> bool:
         raw = c.completions.with_raw_response.create(model=stack.model_dir.name, prompt="ping", max_tokens=1,
                                                      extra_body={"prompt_cache_key": key})
-        if route in raw.headers["kvmesh-route"]:
-            return
-        time.sleep(0.3)
-    pytest.fail(f"requests with key {key} never routed as {route}")
+        return route in raw.headers["kvmesh-route"]
+
+    until_sync(routed, timeout_s, f"requests with key {key} routed as {route}", poll_s=0.3)
 
 
 def long_prompt(stack: ServingStack) -> tuple[str, str]:
@@ -140,7 +152,6 @@ def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
 def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack) -> None:
     """SIGKILL while the job sits with prefill-0 (stopped first, so it surely has not handed off)."""
     import threading
-    import time
 
     prompt = "A prefill that dies holding the job"
     c = client(stack)
@@ -149,6 +160,7 @@ def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack)
     wait_routed_to(stack, key, "prefill=prefill-0")  # back in the ingress's table after the previous test's SIGSTOP
     before = retries(stack)
     stack.signal("prefill-0", signal.SIGSTOP)
+    stored_before = _last_job_seq(stack, "prefill-0")
     result: dict[str, object] = {}
 
     def call() -> None:
@@ -158,7 +170,8 @@ def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack)
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(0.5)  # the job is published to prefill-0 by now
+    until_sync(lambda: _last_job_seq(stack, "prefill-0") > stored_before, 30, "the job stored for prefill-0",
+               poll_s=0.1)
     stack.signal("prefill-0", signal.SIGKILL)
     caller.join(timeout=60)
     raw = result["raw"]

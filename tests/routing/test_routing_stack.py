@@ -8,16 +8,23 @@ between the two prefill workers.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import openai
 import pytest
+from waits import until
 
 from ingress.serving_stack import ServingStack, make_stack
+from shared.cache_index.client import lookup_prefix
 from shared.config import EngineSettings
+from shared.engine.block_hash import HashKeys, hash_blocks
+from shared.ingress.auth import KeyRing
+from shared.service.watch import watch_workers
 from shared.stack.servers import NatsServer, S3Server, free_port
 
 KEYS = {"sk-route": "route"}
@@ -65,6 +72,69 @@ def complete(stack: ServingStack, base_url: str, prompt: str, max_tokens: int = 
     return prefill, got.usage.prompt_tokens_details.cached_tokens, got.choices[0].text
 
 
+@functools.cache
+def _loaded(model_dir: Path):
+    from shared.engine.loader import load_model
+
+    return load_model(model_dir)
+
+
+def wait_indexed(stack: ServingStack, worker: str, prompt: str) -> None:
+    """Until the cache index answers that `worker` holds every block of `prompt` a later request can use.
+
+    The prompt is hashed as the ingress hashes it (the model's fingerprint, the tenant's salt), and
+    the index is asked as the ingress asks it.
+    """
+    loaded = _loaded(stack.model_dir)
+    ids = loaded.tokenizer.encode(prompt)
+    salt = KeyRing(KEYS, bytes.fromhex(stack.secret)).salt(KEYS["sk-route"])
+    hashes = list(hash_blocks(ids, BLOCK, HashKeys(loaded.fingerprint, bytes.fromhex(salt))))
+    usable = (len(ids) - 1) // BLOCK  # the last prompt token is always computed
+
+    async def wait() -> None:
+        nc = await nats.connect(stack.nats.url)
+        try:
+            async def held() -> bool:
+                reply = await lookup_prefix(nc, hashes, timeout_s=2.0)
+                return reply is not None and any(m.worker == worker and m.blocks >= usable for m in reply.workers)
+            await until(held, 30, f"the index showing {usable} blocks of the prompt on {worker}")
+        finally:
+            await nc.close()
+
+    asyncio.run(wait())
+
+
+def wait_idle(stack: ServingStack, workers: tuple[str, ...] = PREFILLS) -> None:
+    """Until each worker wrote two heartbeats in a row with nothing in flight.
+
+    The ingress follows the same bucket in order: by the second, it has taken the first, so it
+    prices the worker as idle (the second says it still is).
+    """
+
+    async def wait() -> None:
+        nc = await nats.connect(stack.nats.url)
+        changes = watch_workers(nc.jetstream(), updates=True)
+        idle_beats = dict.fromkeys(workers, 0)
+        try:
+            async def two_idle() -> None:
+                async for change in changes:
+                    if change.worker_id in idle_beats and change.heartbeat is not None:
+                        idle = change.heartbeat.load == 0
+                        idle_beats[change.worker_id] = idle_beats[change.worker_id] + 1 if idle else 0
+                        if min(idle_beats.values()) >= 2:
+                            return
+            async with asyncio.timeout(30):
+                await two_idle()
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for two idle heartbeats in a row of {workers}: "
+                                 f"{idle_beats}") from None
+        finally:
+            await changes.aclose()
+            await nc.close()
+
+    asyncio.run(wait())
+
+
 def seed_on(stack: ServingStack, worker: str, prompt: str) -> None:
     """Prefill `prompt` on `worker` only, through the round-robin ingress, then let the index learn it.
 
@@ -74,7 +144,8 @@ def seed_on(stack: ServingStack, worker: str, prompt: str) -> None:
     while complete(stack, rr, "ping", max_tokens=1)[0] == worker:
         pass
     assert complete(stack, rr, prompt, max_tokens=1)[0] == worker
-    time.sleep(1.0)  # the index applies KV events (batched 20 ms) and heartbeats show the worker idle again
+    wait_indexed(stack, worker, prompt)  # the index applied its KV events (batched 20 ms)
+    wait_idle(stack)  # and the ingress has the workers' heartbeats saying they are idle again
 
 
 def metric(stack: ServingStack, name: str) -> float:
@@ -90,7 +161,7 @@ def test_returning_session_goes_to_the_prefix_holder_without_affinity(stack: Ser
             prefill, cached, _ = complete(stack, stack.base_url, context + f" Turn {turn}: what next?")
             assert prefill == holder, (turn, prefill)
             assert cached >= (len(context) // 8 // BLOCK) * BLOCK > 0  # most of the context's blocks hit
-            time.sleep(1.0)  # two heartbeat intervals: the finished request no longer counts as the holder's load
+            wait_idle(stack)  # the finished request no longer counts as the holder's load
 
 
 def test_an_overloaded_holder_sheds_the_prefix_to_the_other_worker(stack: ServingStack) -> None:
@@ -99,7 +170,7 @@ def test_an_overloaded_holder_sheds_the_prefix_to_the_other_worker(stack: Servin
     context = "Shared hot system prompt of a popular agent. " + "Rules: be brief, cite files, run tests. " * 12
     seed_on(stack, "prefill-1", context)
     assert complete(stack, stack.base_url, context + " Q?")[0] == "prefill-1"  # alone: the holder
-    time.sleep(1.0)
+    wait_idle(stack)
     with ThreadPoolExecutor(6) as pool:  # six at once, each in flight on its prefill worker until it finishes
         routes = list(pool.map(lambda i: complete(stack, stack.base_url, context + f" Q{i}?", max_tokens=48),
                                range(6)))
@@ -130,8 +201,9 @@ def test_alternating_workers_reuse_the_prefix_from_peer_or_l3(stack: ServingStac
             # itself (turn - 2) came from the peer or L3, not from a recompute
             own = lengths[turn - 2] if turn >= 2 else 0
             assert cached >= (lengths[turn - 1] // BLOCK - 1) * BLOCK > own, (turn, prefill, cached, lengths)
+        # The next turn, on the other worker, reaches these blocks where the index says they are.
+        wait_indexed(stack, prefill, session)
         session += text
-        time.sleep(0.3)
     assert workers[0] != workers[1] != workers[2]
 
 

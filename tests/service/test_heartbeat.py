@@ -6,8 +6,12 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from bus.helpers import connected, unique
+from nats.aio.msg import Msg
+from nats.js import api
+from waits import until
 
 from shared.metrics import ServiceMetrics
 from shared.protocol import subjects
@@ -28,6 +32,45 @@ async def _next_for(changes: AsyncIterator[WorkerChange], worker_id: str, timeou
     return await asyncio.wait_for(find(), timeout_s)
 
 
+@dataclass
+class _KeyLog:
+    """Every message of one worker's key, as the server stored it: heartbeats, deletes, expiry markers.
+
+    Its headers say what each was (`Nats-TTL` on a heartbeat, `KV-Operation: DEL` on a delete,
+    `Nats-Marker-Reason: MaxAge` on the marker the server leaves when the TTL ran out) and its
+    metadata when the server stored it.
+    """
+
+    msgs: list[Msg] = field(default_factory=list)
+    _sub: object = None
+
+    @classmethod
+    async def follow(cls, js, worker_id: str) -> _KeyLog:
+        log = cls()
+        log._sub = await js.subscribe(subjects.heartbeat_key(worker_id), cb=log._on_msg, ordered_consumer=True,
+                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+        return log
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.msgs.append(msg)
+
+    def heartbeats(self) -> list[Msg]:
+        return [m for m in self.msgs if m.data]
+
+    def after_last_heartbeat(self) -> Msg | None:
+        """What the server stored after the latest heartbeat (None yet: nothing)."""
+        last = max((i for i, m in enumerate(self.msgs) if m.data), default=-1)
+        return self.msgs[last + 1] if 0 <= last < len(self.msgs) - 1 else None
+
+    async def close(self) -> None:
+        await self._sub.unsubscribe()
+
+
+def _stored_apart_s(earlier: Msg, later: Msg) -> float:
+    """Seconds between two messages by the server's own timestamps (not a clock of the test's)."""
+    return (later.metadata.timestamp - earlier.metadata.timestamp).total_seconds()
+
+
 def _beater(js, worker_id: str, load: float = 0.0, ttl_s: float = 2.0) -> HeartbeatLoop:
     return HeartbeatLoop(js, worker_id, Role.DECODE, "http://127.0.0.1:1", interval_s=0.3, ttl_s=ttl_s,
                          metrics=ServiceMetrics.create("test"), load=lambda: load, capacity=8)
@@ -38,6 +81,7 @@ async def test_stopped_heartbeat_expires_and_watcher_sees_it(nats_server):
     async with connected(nats_server.url) as nc:
         js = nc.jetstream()
         changes = watch_workers(js)
+        written = await _KeyLog.follow(js, worker)
         beater = _beater(js, worker, load=3)
         task = asyncio.create_task(beater.run())
         up = await _next_for(changes, worker, 5)
@@ -45,11 +89,21 @@ async def test_stopped_heartbeat_expires_and_watcher_sees_it(nats_server):
         await asyncio.wait_for(_until_seq(beater, 3), 5)  # keeps beating; no repeated UP for the same worker
         beater.stop()  # what a crash looks like: no more writes, no delete
         await task
-        stopped_at = time.monotonic()
         down = await _next_for(changes, worker, 8)
-        waited = time.monotonic() - stopped_at
         assert down.change is Change.DOWN and down.heartbeat.seq >= 3
-        assert 1.0 < waited < 6.0  # expired by its 2 s TTL, not removed early
+
+        async def gone() -> bool:  # the watcher may call a lapse before the server's expiry lands
+            return worker not in await alive_workers(js)
+
+        await until(gone, 10, f"{worker} gone from the bucket")
+        # Expired by its 2 s TTL, not removed early: what follows the last heartbeat is the server's
+        # expiry marker (not a delete), stored a whole TTL after that heartbeat by the server's clock.
+        marker = await until(written.after_last_heartbeat, 10, "what the server stored after the last heartbeat")
+        last = written.heartbeats()[-1]
+        assert last.headers.get("Nats-TTL") == "2"
+        assert marker.headers.get("Nats-Marker-Reason") == "MaxAge" and "KV-Operation" not in marker.headers
+        assert _stored_apart_s(last, marker) >= beater.ttl_s
+        await written.close()
         await changes.aclose()
 
 
@@ -58,20 +112,28 @@ async def test_graceful_withdraw_and_restart_are_seen(nats_server):
     async with connected(nats_server.url) as nc:
         js = nc.jetstream()
         changes = watch_workers(js)
+        written = await _KeyLog.follow(js, worker)
         first = _beater(js, worker)
         await first.beat()
         assert (await _next_for(changes, worker, 5)).change is Change.UP
         assert (await alive_workers(js))[worker].started_at == first.started_at
-        second = _beater(js, worker, ttl_s=10.0)  # same id, new process: new started_at
+        # Same id, new process: new started_at. Its TTL is far beyond the waits below, so the watcher
+        # can only see it go by the delete (a lapse would take 1.5 x 60 s).
+        second = _beater(js, worker, ttl_s=60.0)
         await second.beat()
         restart = [await _next_for(changes, worker, 5), await _next_for(changes, worker, 5)]
         assert [c.change for c in restart] == [Change.DOWN, Change.UP]
         assert restart[1].heartbeat.started_at == second.started_at
-        t0 = time.monotonic()
         await second.withdraw()
-        assert (await _next_for(changes, worker, 5)).change is Change.DOWN
-        assert time.monotonic() - t0 < 5.0  # deleted, not waiting for the 10 s TTL
+        assert (await _next_for(changes, worker, 10)).change is Change.DOWN
         assert worker not in await alive_workers(js)
+        # Deleted, not expired: a delete follows its last heartbeat, stored while that one's TTL still ran.
+        deleted = await until(written.after_last_heartbeat, 10, "what the server stored after the last heartbeat")
+        last = written.heartbeats()[-1]
+        assert last.headers.get("Nats-TTL") == "60"
+        assert deleted.headers.get("KV-Operation") == "DEL" and "Nats-Marker-Reason" not in deleted.headers
+        assert _stored_apart_s(last, deleted) < second.ttl_s
+        await written.close()
         await changes.aclose()
 
 

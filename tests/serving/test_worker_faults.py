@@ -6,23 +6,24 @@ SIGKILLs its own victim (`dc-b`, then `pf-b`), the survivors finish the work.
 
 from __future__ import annotations
 
-import asyncio
-import time
+import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from bus.helpers import FAST_BUS, connected
+from waits import WorkerWatch, taken, until
 
 from shared.bus.publish import Publisher
 from shared.protocol import subjects
-from shared.protocol.serving import DecodeJob, SamplingSpec
+from shared.protocol.serving import DecodeJob, SamplingSpec, TokenEvent
+from shared.protocol.streams import JOBS
 
-from .harness import TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
+from .harness import TokenCollector, WorkerProc, WorkerProcs, declare_streams, prefill_job, unique, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
 BUCKET = "kvmesh-serving-faults"
-SILENCE_S = 1.5  # the ingress's inter-token timeout, short for the test
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,31 @@ def _prompt(reference, text: str) -> list[int]:
     return reference.tokenizer.encode(text)
 
 
+def _jobs_taken(wp: WorkerProc) -> float:
+    """Jobs `wp` has taken off its queues: being handled now, or handled (its consumer's metrics)."""
+    text = httpx.get(f"{wp.http_endpoint}/metrics", timeout=5).text
+    # One series per consumer, labelled with its filter subject: the worker's own queue and the shared one.
+    series = r'^kvmesh_messages_(?:in_flight|handled_total)\{subject="kvmesh\.jobs\.prefill\.[^"]+"\} (\S+)$'
+    return sum(float(v) for v in re.findall(series, text, re.MULTILINE))
+
+
+async def _later_request(nc, prefill_worker: str, decode_worker: str, max_tokens: int = 16) -> TokenEvent:
+    """Run a later request through `prefill_worker` -> `decode_worker` to its final event.
+
+    Each worker takes it after whatever was sent to it before, and it decodes `max_tokens` steps
+    (no eos): by its end, a shorter run started before it has sent all it ever will.
+    """
+    job = prefill_job(unique(), [11, 12, 13, 14, 15], decode_worker, max_tokens)
+    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=max_tokens, ignore_eos=True)})
+    later = await TokenCollector(job.request_id).subscribe(nc)
+    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(prefill_worker), job,
+                                                      msg_id=f"{job.request_id}:0")
+    final = await later.wait_final()
+    await later.close()
+    assert final.error is None and final.finish_reason == "length", final
+    return final
+
+
 async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(stack, nats_server, reference):
     procs: WorkerProcs = stack["procs"]
     prompt = _prompt(reference, "A long answer is being streamed when its decode worker dies without warning. " * 2)
@@ -56,13 +82,15 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(stack,
     async with connected(nats_server.url) as nc:
         pub = Publisher(nc.jetstream(), FAST_BUS)
         c = await TokenCollector(job.request_id).subscribe(nc)
+        victim = await WorkerWatch.up(nc.jetstream(), stack["dc-b"])
         await pub.publish(subjects.jobs_prefill(stack["pf-a"]), job, msg_id=f"{job.request_id}:0")
-        end = time.monotonic() + 60
-        while len(c.ordered) < 8:
-            assert time.monotonic() < end and c.final is None, "decode did not start streaming"
-            await asyncio.sleep(0.01)
+        await until(lambda: len(c.ordered) >= 8 or c.final, 60, "decode streaming 8 tokens", poll_s=0.01)
+        assert c.final is None, "decode did not start streaming"
         procs.procs[stack["dc-b"]].kill()
-        assert await c.wait_silence(SILENCE_S, timeout_s=30), "the stream ended although its worker was killed"
+        # Seen down (its heartbeat expired) as the ingress sees it: by then all it sent has arrived.
+        await victim.down()
+        await taken(nc, c)
+        assert c.final is None, "the stream ended although its worker was killed"
         delivered = c.ordered
         assert 8 <= len(delivered) < max_tokens
         migration = DecodeJob(request_id=job.request_id, attempt=1, tenant=job.tenant, tenant_salt=job.tenant_salt,
@@ -80,17 +108,23 @@ async def test_prefill_dead_before_handoff_is_retried_on_another(stack, nats_ser
     procs: WorkerProcs = stack["procs"]
     prompt = _prompt(reference, "This job was addressed to a prefill worker that is gone. " * 2)
     expected = reference(prompt, 12)
-    procs.procs[stack["pf-b"]].kill()
     job = prefill_job(unique(), prompt, stack["dc-a"], 12)
+    dead = subjects.jobs_prefill(stack["pf-b"])
     async with connected(nats_server.url) as nc:
-        pub = Publisher(nc.jetstream(), FAST_BUS)
+        js = nc.jetstream()
+        pub = Publisher(js, FAST_BUS)
         c = await TokenCollector(job.request_id).subscribe(nc)
-        await pub.publish(subjects.jobs_prefill(stack["pf-b"]), job, msg_id=f"{job.request_id}:0")
-        assert await c.wait_silence(SILENCE_S, timeout_s=30)
-        assert not c.events, "a dead worker produced tokens"
+        victim = await WorkerWatch.up(js, stack["pf-b"])
+        procs.procs[stack["pf-b"]].kill()
+        await pub.publish(dead, job, msg_id=f"{job.request_id}:0")
+        await victim.down()  # what makes the ingress retry on another worker
         retry = job.model_copy(update={"attempt": 1})
         await pub.publish(subjects.jobs_prefill(stack["pf-a"]), retry, msg_id=f"{job.request_id}:1")
         final = await c.wait_final(60)
+        await taken(nc, c)
+        # The dead worker's job is still in its queue, taken by no one, and every event is the retry's.
+        assert (await js.stream_info(JOBS.name, subjects_filter=dead)).state.subjects == {dead: 1}
+        assert all(e.attempt == 1 for e in c.events), "a dead worker produced tokens"
         await c.close()
     assert final.attempt == 1 and final.finish_reason in ("stop", "length")
     assert c.ordered == expected
@@ -108,14 +142,20 @@ async def test_prefill_killed_while_working_duplicates_are_droppable(stack, nats
     async with connected(nats_server.url) as nc:
         pub = Publisher(nc.jetstream(), FAST_BUS)
         c = await TokenCollector(job.request_id).subscribe(nc)
+        gone = await WorkerWatch.up(nc.jetstream(), victim.worker_id)
         await pub.publish(subjects.jobs_prefill(victim.worker_id), job, msg_id=f"{job.request_id}:0")
-        await asyncio.sleep(0.3)
+        await until(lambda: _jobs_taken(victim) >= 1, 30, "the victim taking the job", poll_s=0.02)
         victim.kill()
-        if await c.wait_silence(SILENCE_S, timeout_s=30):  # not finished by attempt 0: retry elsewhere
+        await gone.down()  # all it sent before it died has arrived
+        await taken(nc, c)
+        if c.final is None:  # not finished by attempt 0: retry elsewhere
             await pub.publish(subjects.jobs_prefill(stack["pf-a"]), job.model_copy(update={"attempt": 1}),
                               msg_id=f"{job.request_id}:1")
         await c.wait_final(60)
-        await asyncio.sleep(0.5)  # late events of either attempt
+        # Late events of either attempt come from pf-a and dc-a: a later, longer request through them
+        # is over after the last of those.
+        await _later_request(nc, stack["pf-a"], stack["dc-a"])
+        await taken(nc, c)
         await c.close()
     assert c.ordered == expected
     seen: dict[int, int] = {}

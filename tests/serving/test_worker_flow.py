@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 from bus.helpers import FAST_BUS, connected
+from waits import taken, until
 
 from shared.bus.publish import Publisher
 from shared.engine.block_hash import HashKeys, hash_blocks
 from shared.kv_events.events import KVEventBatch
 from shared.protocol import subjects
-from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec
+from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec, TokenEvent
 from shared.serving.audit_status import read_audit_counts
 from shared.serving.worker_tiers import namespace_for
 from shared.tiers.handle import BlockHandle
@@ -64,6 +65,21 @@ async def _run(nc, prefill_worker: str, job) -> TokenCollector:
 
 def _prompt(reference, text: str) -> list[int]:
     return reference.tokenizer.encode(text)
+
+
+async def _later_request(nc, prefill_worker: str, decode_worker: str, max_tokens: int = 16) -> TokenEvent:
+    """Run a later request through `prefill_worker` -> `decode_worker` to its final event.
+
+    Each worker takes it after whatever was sent to it before, and it decodes `max_tokens` steps
+    (no eos): by its end, a shorter run started before it has sent all it ever will.
+    """
+    job = prefill_job(unique(), [11, 12, 13, 14, 15], decode_worker, max_tokens)
+    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=max_tokens, ignore_eos=True)})
+    later = await _run(nc, prefill_worker, job)
+    final = await later.wait_final()
+    await later.close()
+    assert final.error is None and final.finish_reason == "length", final
+    return final
 
 
 async def test_two_turns_hit_previous_answer_and_match_reference(stack, nats_server, reference):
@@ -166,7 +182,10 @@ async def test_redelivered_job_runs_once(stack, nats_server, reference):
         await pub.publish(subjects.jobs_prefill(pf), job, msg_id=f"{job.request_id}:a")
         await pub.publish(subjects.jobs_prefill(pf), job, msg_id=f"{job.request_id}:b")
         await c.wait_final()
-        await asyncio.sleep(1.0)  # a second run would show up as more events by now
+        # A second run would show up as more events: a later, longer request through the same two
+        # workers is over after anything such a run sent.
+        await _later_request(nc, pf, dc0)
+        await taken(nc, c)
         assert c.dropped == 0
         assert sum(1 for e in c.events if e.finished) == 1
         assert c.ordered == reference(prompt, 8)
@@ -266,11 +285,12 @@ async def test_decode_falls_back_to_l3_when_handles_do_not_resolve(stack, nats_s
         await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.handoff(dc1), job, msg_id=f"{rid}:0")
         await d.wait_final()
     assert [d.tokens[i] for i in range(1, 8)] == expected[1:]
-    end = time.monotonic() + 10
-    while not (decoded := [json.loads(line) for line in stack.procs[dc1].proc.log_path.read_text().splitlines()
-                           if rid in line and '"decoded"' in line]) and time.monotonic() < end:
-        await asyncio.sleep(0.1)  # the worker logs right after its final event
-    assert decoded and decoded[0]["sources"].get("L3") == len(hashes)
+
+    def decoded() -> list[dict]:
+        return [json.loads(line) for line in stack.procs[dc1].proc.log_path.read_text().splitlines()
+                if rid in line and '"decoded"' in line]
+    logged = await until(decoded, 10, f"{dc1}'s decoded log line (written right after its final event)")
+    assert logged[0]["sources"].get("L3") == len(hashes)
 
 
 async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
@@ -294,10 +314,7 @@ async def test_cache_audit_counts_hits_without_mismatch(stack, nats_server, refe
             c = await _run(nc, pf, prefill_job(unique(), prompt, worker, max_tokens=10))
             await c.wait_final()
             await c.close()
-    deadline = time.monotonic() + 60
-    while audited() < before + 3 and time.monotonic() < deadline:
-        await asyncio.sleep(0.3)
-    assert audited() >= before + 3
+    await until(lambda: audited() >= before + 3, 60, "three more cache audits", poll_s=0.3)
     assert stack.metric(dc0, "kvmesh_cache_audit_mismatch_total") == 0
     assert stack.metric(dc1, "kvmesh_cache_audit_mismatch_total") == 0
     # What `kvmesh status` reads (endpoints named like the stack names decode replicas).
@@ -312,11 +329,16 @@ async def test_abort_stops_the_stream_without_a_final_event(stack, nats_server, 
     job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=400, ignore_eos=True)})
     async with connected(nats_server.url) as nc:
         c = await _run(nc, pf, job)
-        end = time.monotonic() + 60
-        while len(c.ordered) < 4:
-            assert time.monotonic() < end, "no tokens"
-            await asyncio.sleep(0.01)
+        await until(lambda: len(c.ordered) >= 4, 60, "the first tokens of the request", poll_s=0.01)
         await nc.publish(subjects.abort(dc0), AbortRequest(request_id=job.request_id).to_bytes())
-        assert await c.wait_silence(1.0, timeout_s=30), "a final event came although the request was aborted"
+        # A later request through dc0 (which took the abort first) is over after every event sent
+        # before the abort took hold; while a second one decodes, a request still running would stream on.
+        await _later_request(nc, pf, dc0)
+        await taken(nc, c)
+        stopped = len(c.events)
+        await _later_request(nc, pf, dc0)
+        await taken(nc, c)
+        assert len(c.events) == stopped, "the aborted request went on streaming"
+        assert c.final is None, "a final event came although the request was aborted"
         await c.close()
-    assert len(c.ordered) < 400 and c.final is None
+    assert len(c.ordered) < 400
