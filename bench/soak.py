@@ -13,9 +13,15 @@ from /proc. At the end it reads the ingress's retries (a worker silent past
 its timeout: prefill retried or decode migrated), the DEAD_LETTER stream's
 messages and the blocks L2 evicted (it must, for the run to count).
 
-`flat` judges the samples after `warmup_s`: per process, the fds stay within
-±5% of their median and RSS within ±10%. `target_met`: flat, L2 evicted, and
-`errors`, `dead_letters` and `retries` all 0. A PNG of fds and RSS over time goes next
+Two judgements of the samples after `warmup_s`, per process:
+- `flat` (the target): every sample's fds within ±5% of their median, RSS
+  within ±10%;
+- `no_growth` (a leak test): the median of the second half of those samples
+  is within 5% (fds; at least 2 fds) and 10% (RSS, mappings) of the first
+  half's. A process whose RSS swings with its batches but does not grow is
+  `no_growth` without being `flat`.
+`target_met`: every process flat, L2 evicted, and `errors`, `dead_letters`
+and `retries` all 0. A PNG of fds and RSS over time goes next
 to `--png` when matplotlib is installed (the bench extra).
 """
 
@@ -35,6 +41,7 @@ from bench.agent_workload import AgentSession, build_agent_workload
 from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, running_stack, stream_chat
 
 FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
+FDS_SLACK = 2  # a growth test's floor: a request's sockets come and go
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +80,31 @@ def _band(values: list[float]) -> float:
     return max(abs(v - mid) for v in values) / mid if mid else 0.0
 
 
+def _drift(values: list[float]) -> float:
+    """How far the median of the second half moved from the first half's, as a share of it."""
+    half = len(values) // 2
+    first, second = statistics.median(values[:half]), statistics.median(values[half:])
+    return abs(second - first) / first if first else 0.0
+
+
 def judge(samples: list[dict], warmup_s: float) -> dict:
-    """Per process: how far fds and RSS strayed from their medians after warm-up, and whether that is flat."""
+    """Per process after warm-up: how far fds, RSS and mappings strayed and drifted; `flat` and `no_growth`."""
     late = [s for s in samples if s["t_s"] >= warmup_s]
     out: dict = {}
     for name in sorted({n for s in late for n in s["procs"]}):
         seen = [s["procs"][name] for s in late if s["procs"].get(name)]
         if len(seen) < 2:
             continue
-        fds, rss = _band([p["fds"] for p in seen]), _band([p["rss_mb"] for p in seen])
-        out[name] = {"fds_band": round(fds, 4), "rss_band": round(rss, 4), "fds_max": max(p["fds"] for p in seen),
-                     "rss_mb_max": max(p["rss_mb"] for p in seen), "threads_max": max(p["threads"] for p in seen),
-                     "flat": fds <= FDS_BAND and rss <= RSS_BAND}
+        fds, rss, maps = ([p[k] for p in seen] for k in ("fds", "rss_mb", "maps"))
+        row = {"fds_band": round(_band(fds), 4), "rss_band": round(_band(rss), 4),
+               "fds_drift": round(_drift(fds), 4), "rss_drift": round(_drift(rss), 4),
+               "maps_drift": round(_drift(maps), 4), "fds_max": max(fds), "rss_mb_max": max(rss),
+               "maps_max": max(maps), "threads_max": max(p["threads"] for p in seen)}
+        fds_room = max(FDS_BAND, FDS_SLACK / max(1, statistics.median(fds[:len(fds) // 2])))
+        row["flat"] = row["fds_band"] <= FDS_BAND and row["rss_band"] <= RSS_BAND
+        row["no_growth"] = (row["fds_drift"] <= fds_room and row["rss_drift"] <= RSS_BAND
+                            and row["maps_drift"] <= RSS_BAND)
+        out[name] = row
     return out
 
 
@@ -226,6 +246,7 @@ def run_soak(cfg: SoakConfig) -> dict:
                                                    reason="capacity")
     result["processes"] = judge(result["samples"], cfg.warmup_s)
     result["flat"] = bool(result["processes"]) and all(p["flat"] for p in result["processes"].values())
+    result["no_growth"] = bool(result["processes"]) and all(p["no_growth"] for p in result["processes"].values())
     result["target_met"] = (result["flat"] and result["l2_evicted_blocks"] > 0
                             and not (result["errors"] or result["dead_letters"] or result["retries"]))
     if cfg.png is not None and _plot(result["samples"], cfg.png):
