@@ -40,7 +40,7 @@ class Load:
     sessions: int = 3
     max_tokens: int = 24
     request_timeout_s: float = 60.0
-    max_requests: int = 400  # per session: the loop is bounded even if stop is never set
+    max_requests: int = 2000  # per session: the loop is bounded even if stop is never set (a 120 s run sends ~500)
     outcomes: list[Outcome] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
