@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from nats.aio.client import Client as NATS
+
+from waits import until
 
 from shared.bus.connection import close, connect
 from shared.config import BusSettings
@@ -39,13 +39,4 @@ async def connected(url: str, name: str = "test") -> AsyncIterator[NATS]:
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:
     """Poll `check` until true; fail with `what` after `timeout_s` (a deadline, never a fixed sleep)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
-        await asyncio.sleep(0.05)
+    await until(check, timeout_s, what)
