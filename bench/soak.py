@@ -58,7 +58,7 @@ class SoakConfig:
 
 
 def _proc(pid: int) -> dict | None:
-    """fds, RSS, threads and mappings of one process, or None when it is gone."""
+    """fds, RSS (and its anonymous and shared-memory parts: L2's slab), threads and mappings, or None when gone."""
     base = Path(f"/proc/{pid}")
     try:
         status = dict(line.split(":", 1) for line in (base / "status").read_text().splitlines() if ":" in line)
@@ -66,7 +66,8 @@ def _proc(pid: int) -> dict | None:
         maps = sum(1 for _ in (base / "maps").open())
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    return {"fds": fds, "rss_mb": round(int(status["VmRSS"].split()[0]) / 1024, 1),
+    mb = {k: round(int(status[k].split()[0]) / 1024, 1) for k in ("VmRSS", "RssAnon", "RssShmem")}
+    return {"fds": fds, "rss_mb": mb["VmRSS"], "rss_anon_mb": mb["RssAnon"], "rss_shmem_mb": mb["RssShmem"],
             "threads": int(status["Threads"]), "maps": maps}
 
 
