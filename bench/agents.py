@@ -36,7 +36,6 @@ Progress on stderr; one JSON object.
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,7 +44,9 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.agent_workload import AgentSession, AgentWorkload, build_agent_workload
-from bench.serve import KEY, REPO_ROOT, Sample, ServeBenchConfig, _pct, running_stack, stream_chat
+from bench.serve import (
+    KEY, REPO_ROOT, Sample, ServeBenchConfig, _pct, running_stack, stack_metric_families, stream_chat,
+)
 
 BLOCK_TOKENS = 16
 
@@ -149,22 +150,13 @@ WATCHED = ("kvmesh_session_", "kvmesh_ingress_session_events", "kvmesh_l1_pins_y
 
 def session_counters(state_dir: Path) -> dict[str, float]:
     """The stack's session counters, read from every service endpoint in its state file."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
-        if not ep["url"].startswith("http://") or ep["check"] != "http":
-            continue
-        reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
-        if reply.status_code != 200:  # not a kvmesh service (a server's console)
-            continue
-        for family in text_string_to_metric_families(reply.text):
-            if family.name.startswith(WATCHED) and family.type == "counter":
-                for sample in family.samples:
-                    if sample.name.endswith("_total"):
-                        key = sample.name + "".join(f"_{v}" for v in sample.labels.values())
-                        out[key] = out.get(key, 0.0) + sample.value
+    for family in stack_metric_families(state_dir):
+        if family.name.startswith(WATCHED) and family.type == "counter":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = sample.name + "".join(f"_{v}" for v in sample.labels.values())
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

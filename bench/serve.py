@@ -18,7 +18,9 @@ stderr, one JSON object.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,11 +86,28 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
         say.log(f"starting a stack (prefix cache {'on' if cache else 'off'})")
         try:
             up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
-            if up.returncode != 0:
-                raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}")
+            if up.returncode != 0:  # the state dir goes with the stack: keep the end of the log `up` names
+                named = re.search(r"\(log: (\S+)\)", up.stderr)
+                path = Path(named.group(1)) if named else None
+                log = path.read_text(errors="replace")[-1500:] if path and path.exists() else ""
+                raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}{log}")
             yield f"http://127.0.0.1:{port}/v1"
         finally:
             subprocess.run([kvmesh, "down", "--state-dir", tmp], env=env, capture_output=True, timeout=120)
+
+
+def stack_metric_families(state_dir: Path) -> Iterator:
+    """Every metric family of every kvmesh service in a stack's state file (servers' consoles are skipped)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
+        if not ep["url"].startswith("http://") or ep["check"] != "http":
+            continue
+        reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
+        if reply.status_code != 200:  # not a kvmesh service (a server's console)
+            continue
+        yield from text_string_to_metric_families(reply.text)
 
 
 async def stream_chat(client, model: str, messages: list[dict], tools: list[dict], max_tokens: int,

@@ -38,7 +38,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.agent_workload import AgentSession, build_agent_workload
-from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, running_stack, stream_chat
+from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, running_stack, stack_metric_families, stream_chat
 
 FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
 FDS_SLACK = 2  # a growth test's floor: a request's sockets come and go
@@ -178,21 +178,9 @@ async def _dead_letters(state_dir: Path) -> int:
 
 def _counter(state_dir: Path, family_name: str, **labels: str) -> float:
     """A counter summed over every service of the stack (and over the labels not named)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for ep in json.loads((state_dir / "stack.json").read_text())["endpoints"]:
-        if ep["check"] != "http" or not ep["url"].startswith("http://"):
-            continue
-        reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
-        if reply.status_code != 200:  # not a kvmesh service (a server's console)
-            continue
-        for family in text_string_to_metric_families(reply.text):
-            if family.name == family_name:
-                total += sum(s.value for s in family.samples if s.name.endswith("_total")
-                             and all(s.labels.get(k) == v for k, v in labels.items()))
-    return total
+    return sum(s.value for family in stack_metric_families(state_dir) if family.name == family_name
+               for s in family.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def _plot(samples: list[dict], path: Path) -> bool:
@@ -237,7 +225,8 @@ def run_soak(cfg: SoakConfig) -> dict:
         model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
         state_dir = Path(tmp) / "stack"
         state_dir.mkdir()
-        env = {"KVMESH_ENGINE__BLOCK_SIZE": "16", "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
+        env = {"KVMESH_ENGINE__BLOCK_SIZE": "16",
+               "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
         with running_stack(model_dir, ServeBenchConfig(model_dir=model_dir), True, say, env, state_dir) as url:
             say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s")
             result |= asyncio.run(_drive(url, model_dir.name, list(w.sessions), w.tools, cfg, state_dir, say))

@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from minio import Minio
 from openai import OpenAI
 from stack_harness import StackDir, admin_nats, pids_for
+from waits import until_sync
 
 from shared.protocol import subjects
 from shared.stack.credentials import read_credentials
@@ -58,10 +58,7 @@ def _l3_objects(stack: StackDir, state: StackState) -> int:
 
 def _wait_for(what: str, check, timeout: float = 120.0) -> None:
     """Poll `check` until it holds (each poll asks the real server); fail naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
+    until_sync(check, timeout, what, poll_s=0.25)
 
 
 async def _snapshot_size(state: StackState) -> int:
