@@ -10,6 +10,12 @@ is retried too (NATS may still be starting) but only for
 With a `ClientAuth` the process connects as its NATS user (credentials in
 the URLs, optional TLS, its own reply-inbox prefix); a refused login is
 retried like an unreachable server, then reported as such.
+
+nats-py ends a connection for good on any `-ERR` the server sends once
+connected (but a permissions one); the server itself closes the link after
+most of them. A service with a closed connection is a zombie that never gets
+ready again, so here such an error is a broken link to reconnect over, like a
+stale connection. A refused login (credentials revoked) still closes it.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+from nats.aio.client import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR, Server
 from nats.aio.client import Client as NATS
-from nats.aio.client import Server
 
 from shared.bus.client_auth import ClientAuth, connect_kwargs
 from shared.config import BusSettings
@@ -34,6 +40,18 @@ def reconnect_delay(attempts: int, settings: BusSettings, rng: random.Random) ->
     """Seconds to wait before reconnect attempt number `attempts` (0-based): doubling, capped, jittered."""
     base = min(settings.reconnect_wait_max_s, settings.reconnect_wait_min_s * (2 ** min(attempts, 16)))
     return base * (0.5 + rng.random() / 2)
+
+
+class _Client(NATS):
+    """nats-py's client, except that a server error on an open connection reconnects (module docstring)."""
+
+    async def _process_err(self, err_msg: str) -> None:
+        if self.is_connecting or PERMISSIONS_ERR in err_msg or AUTHORIZATION_VIOLATION in err_msg:
+            await super()._process_err(err_msg)
+            return
+        error = nats.errors.Error(f"nats: {err_msg.strip(chr(39))}")
+        await self._error_cb(error)
+        await self._process_op_err(error)
 
 
 @dataclass(slots=True)
@@ -67,13 +85,14 @@ class _Hooks:
         log.info("nats reconnected", connection=self.name, server=self.server())
 
     async def on_closed(self) -> None:
-        log.info("nats connection closed", connection=self.name)
+        why = self.nc.last_error  # what the server said when it, not we, ended the connection
+        log.info("nats connection closed", connection=self.name, error=repr(why) if why else None)
 
 
 async def connect(url: str, name: str, settings: BusSettings | None = None, auth: ClientAuth | None = None) -> NATS:
     """An open connection to `url` (comma-separated URLs for a cluster), as `auth`'s user when given."""
     settings = settings or BusSettings()
-    nc = NATS()
+    nc = _Client()
     hooks = _Hooks(name, settings, nc)
     try:
         await asyncio.wait_for(

@@ -1,4 +1,4 @@
-"""`kvmesh model init|info`: write a seeded synthetic checkpoint, or describe one."""
+"""`kvmesh model init|info`: import a GGUF file or write a seeded synthetic checkpoint; describe one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Synthetic checkpoints and checkpoint info.", no_args_is_help=True)
+app = typer.Typer(help="Checkpoints: import a GGUF file, write a synthetic one, describe one.", no_args_is_help=True)
 
 
 def _describe(model_dir: Path) -> dict:
@@ -32,17 +32,30 @@ def _describe(model_dir: Path) -> dict:
 @app.command()
 def init(
     out: Annotated[Path, typer.Option(help="Directory to write the checkpoint into.")],
-    preset: Annotated[str, typer.Option(help="tiny (tests), agent (tiny with 32k positions: kvmesh up's default), small (benchmarks), llama3-8b or llama3-70b (real KV geometry).")] = "tiny",
+    gguf: Annotated[Path | None, typer.Option(
+        help="Import this GGUF file (Llama or Qwen2; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) instead of "
+             "writing a preset; --dtype applies, --preset/--arch/--seed/--shards do not.")] = None,
+    preset: Annotated[str, typer.Option(help="tiny (tests), agent (tiny with 32k positions), small (benchmarks), llama3-8b or llama3-70b (real KV geometry).")] = "tiny",
     arch: Annotated[str, typer.Option(help="llama or qwen2.")] = "llama",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
     shards: Annotated[int, typer.Option(help="Split weights into N safetensors shards.")] = 1,
 ) -> None:
-    """Write a seeded synthetic HF-format checkpoint and print its summary as JSON."""
-    from shared.engine.presets import write_preset
+    """Write an HF-format checkpoint (imported from --gguf, or a seeded synthetic preset); print its summary as JSON."""
+    from shared.engine.checkpoint_error import CheckpointError
 
     try:
-        write_preset(out, preset, arch, dtype, seed, num_shards=shards)
+        if gguf is not None:
+            from shared.engine.gguf_import import import_gguf
+
+            import_gguf(gguf, out, dtype)
+        else:
+            from shared.engine.presets import write_preset
+
+            write_preset(out, preset, arch, dtype, seed, num_shards=shards)
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(json.dumps(_describe(out)))

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from shared.stack.errors import EXIT_CODES_HELP, ExitCode, StackError
 
 StateDir = Annotated[
-    Optional[Path], typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")
+    Path | None, typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")
 ]
 
 
@@ -58,17 +58,20 @@ def _replicas(prefill: int | None, decode: int | None, pairs: list[str]) -> dict
 def up(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once ready; the stack keeps running.")] = False,
     fresh: Annotated[bool, typer.Option(help="Wipe the JetStream store and S3 data first.")] = False,
-    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: tiny preset in state dir).")] = None,
-    prefill: Annotated[Optional[int], typer.Option(min=0, help="Prefill replicas.")] = None,
-    decode: Annotated[Optional[int], typer.Option(min=0, help="Decode replicas.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        help="Checkpoint dir. Default: SmolLM2-135M-Instruct, imported once into the state dir.")] = None,
+    preset: Annotated[str | None, typer.Option(
+        help="Serve a random-weight preset instead (agent: 32k positions; llama3-8b, llama3-70b: real KV geometry).")] = None,
+    prefill: Annotated[int | None, typer.Option(min=0, help="Prefill replicas.")] = None,
+    decode: Annotated[int | None, typer.Option(min=0, help="Decode replicas.")] = None,
     replicas: Annotated[list[str], typer.Option(help="NAME=N replicas of a service (repeatable).")] = [],  # noqa: B006
-    nats_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings nats.port.")] = None,
-    nats_monitor_port: Annotated[Optional[int], typer.Option(help="Default: settings nats.monitor_port.")] = None,
-    s3_port: Annotated[Optional[int], typer.Option(help="0 picks a free port. Default: settings s3.port.")] = None,
-    nats_cluster: Annotated[Optional[int], typer.Option(
+    nats_port: Annotated[int | None, typer.Option(help="0 picks a free port. Default: settings nats.port.")] = None,
+    nats_monitor_port: Annotated[int | None, typer.Option(help="Default: settings nats.monitor_port.")] = None,
+    s3_port: Annotated[int | None, typer.Option(help="0 picks a free port. Default: settings s3.port.")] = None,
+    nats_cluster: Annotated[int | None, typer.Option(
         help="NATS nodes: 1, or an odd number >= 3 routed to each other (streams R3). "
              "Default: settings nats.cluster_nodes.")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="Readiness deadline in seconds.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Readiness deadline in seconds.")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Start NATS, the S3 server and every kvmesh service; print the endpoints once all are ready.
@@ -90,6 +93,7 @@ def up(
         detach=detach,
         fresh=fresh,
         model_dir=model,
+        preset=preset,
         replicas=_replicas(prefill, decode, replicas),
         nats_port=settings.nats.port if nats_port is None else nats_port,
         nats_monitor_port=settings.nats.monitor_port if nats_monitor_port is None else nats_monitor_port,
@@ -136,7 +140,7 @@ def status(
 
 
 def down(
-    grace: Annotated[Optional[float], typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = None,
+    grace: Annotated[float | None, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Stop services, then NATS and S3 (SIGTERM, SIGKILL after the grace period); data stays for the next `up`."""

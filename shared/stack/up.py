@@ -48,6 +48,7 @@ class UpOptions:
     detach: bool = False
     fresh: bool = False
     model_dir: Path | None = None
+    preset: str | None = None  # a random-weight preset instead of the default model (shared/stack/model.py)
     replicas: dict[str, int] = field(default_factory=dict)  # service name -> count, default 1
     nats_nodes: int = 1  # local NATS: one node, or a cluster of an odd number >= 3 (streams then R3)
     nats_port: int = 4222
@@ -136,7 +137,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     declare_streams(state.nats_url, _stream_replicas(settings, opts), settings.stack.ready_timeout_s,
                     stack_admin_auth(settings, nats_users))
     needs_model = any(s.replicas for s in specs)
-    model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model)
+    model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model, preset=opts.preset)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
                          nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None)

@@ -9,6 +9,7 @@ import pytest
 
 from shared.bus.connection import connect
 from shared.stack.servers import free_port
+from tests.waits import until
 
 from .helpers import FAST_BUS
 
@@ -35,3 +36,22 @@ async def test_first_connect_gives_up_with_a_clear_error():
     settings = FAST_BUS.model_copy(update={"connect_retry_total_s": 0.5})
     with pytest.raises(ConnectionError, match=rf"NATS at {url} did not answer within"):
         await connect(url, "nobody-home", settings)
+
+
+async def test_a_server_error_reconnects_instead_of_closing(nats_server):
+    """A server -ERR on an open connection (here 'Unknown Protocol Operation', after which the server drops
+    the link) must leave a working connection behind, not a closed one that no call can use again."""
+    nc = await connect(nats_server.url, "err-then-work", FAST_BUS)
+    try:
+        reconnects = nc.stats["reconnects"]
+        nc._transport.write(b"NOT-A-PROTOCOL-OP\r\n")  # the server answers -ERR and hangs up
+        await nc._transport.drain()
+        await until(lambda: nc.stats["reconnects"] > reconnects and nc.is_connected, timeout_s=20,
+                    what="a reconnect after the server error")
+        assert not nc.is_closed
+        sub = await nc.subscribe("after.error")
+        await nc.publish("after.error", b"still here")
+        msg = await sub.next_msg(timeout=5)
+        assert msg.data == b"still here"
+    finally:
+        await nc.close()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-
 import os
 import stat
 from pathlib import Path
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from stack_harness import SVC_PACKAGE, SVC_PATH
 
+from shared.engine.gguf_import import IMPORT_FILE
 from shared.stack.credentials import load_or_create_credentials
 from shared.stack.errors import ExitCode, StackError
-from shared.stack.model import resolve_model_dir
+from shared.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
 from shared.stack.probe import host_port
 from shared.stack.services import build_specs, discover_services
 from shared.stack.state import StackState, claim_state, load_state, remove_state
@@ -58,16 +59,38 @@ def test_only_one_claim_wins(tmp_path: Path) -> None:
     assert claim_state(state)
 
 
-def test_default_model_made_once_when_needed(tmp_path: Path) -> None:
+def test_default_model_is_smollm2_imported_once_when_needed(tmp_path: Path) -> None:
     assert resolve_model_dir(None, tmp_path, needed=False) is None
     made = resolve_model_dir(None, tmp_path, needed=True)
-    assert made == tmp_path / "models" / "agent" and (made / "config.json").is_file()
-    assert (made / "tokenizer.json").is_file() and list(made.glob("*.safetensors"))
+    assert made == tmp_path / "models" / SMOLLM2.name and (made / "config.json").is_file()
+    assert json.loads((made / IMPORT_FILE).read_text())["source_sha256"] == SMOLLM2.sha256
+    config = json.loads((made / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8192 and config["num_hidden_layers"] == 30
     stamp = (made / "config.json").stat().st_mtime_ns
     assert resolve_model_dir(None, tmp_path, needed=True) == made
-    assert (made / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert not (tmp_path / "models" / ".agent.partial").exists()
+    assert (made / "config.json").stat().st_mtime_ns == stamp  # reused, not imported again
+    assert not (tmp_path / "models" / f".{SMOLLM2.name}.partial").exists()
+
+
+def test_a_preset_is_written_once_under_its_name(tmp_path: Path) -> None:
+    made = resolve_model_dir(None, tmp_path, needed=True, preset="agent")
+    assert made == tmp_path / "models" / "agent" and list(made.glob("*.safetensors"))
     assert json.loads((made / "config.json").read_text())["max_position_embeddings"] >= 32768  # an agent's context fits
+    with pytest.raises(StackError) as err:
+        resolve_model_dir(None, tmp_path, needed=True, preset="huge")
+    assert err.value.code == ExitCode.USAGE and "unknown preset 'huge'" in err.value.message
+
+
+def test_a_missing_or_different_model_file_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    absent = dataclasses.replace(SMOLLM2, package="no_such_package_here")
+    with pytest.raises(StackError) as err:
+        default_model_dir(tmp_path, absent)
+    assert SMOLLM2.install in err.value.message and "--model" in err.value.message
+    other = dataclasses.replace(SMOLLM2, sha256="0" * 64)
+    with pytest.raises(StackError) as err:
+        default_model_dir(tmp_path, other)
+    assert "SHA-256" in err.value.message
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())  # nothing, not even a partial
 
 
 def test_explicit_model_dir_must_be_a_checkpoint(tmp_path: Path) -> None:
