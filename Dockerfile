@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # One image for every kvmesh service; the command picks the service:
-#   docker run kvmesh python -m services.prefill
+#   docker run kvmesh python -m kvmesh.services.prefill
 # Build args:
 #   MODEL_PRESET=tiny   bake a seeded synthetic checkpoint at /models/tiny (empty: mount one at /models)
 #   TORCH_INDEX_URL=    a PyTorch wheel index (e.g. the CPU-only one) for a slim CPU image;
@@ -60,4 +60,4 @@ USER 10001:10001
 EXPOSE 8000 9090
 # The runner drains on SIGTERM (readiness off, in-flight work finishes, exit 0).
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "services.ingress"]
+CMD ["python", "-m", "kvmesh.services.ingress"]

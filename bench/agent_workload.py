@@ -4,7 +4,7 @@ Each trajectory (`../shared/workloads/swe-agent/*.traj`, its `history`) is
 one agent run: a system prompt, a task, then steps of (thought + action,
 observation). A step becomes what an agent framework sends today: the
 assistant message with the action as a `tool_calls` entry (named as the
-trace builder names it, `shared.sim.trajectories.tool_names`: a declared
+trace builder names it, `kvmesh.sim.trajectories.tool_names`: a declared
 SWE-agent command, else `bash`; its argument the whole command line) and a
 `tool` message with the observation. Call k of a session sends the history up to
 step k, so every request extends the one before it. The recorded answers are
@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.sim.trajectories import SHELL_TOOL, declared_commands, tool_names
+from kvmesh.sim.trajectories import SHELL_TOOL, declared_commands, tool_names
 
 TRAJ_DIR = Path("../shared/workloads/swe-agent")  # relative to the repo root
 

@@ -41,13 +41,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bench.agent_workload import (
+    AgentSession,
+    AgentWorkload,
+    build_agent_workload,
+)
+from kvmesh.bench.serve import (
+    KEY,
+    REPO_ROOT,
+    Sample,
+    ServeBenchConfig,
+    _pct,
+    running_stack,
+    stack_metric_families,
+    stream_chat,
+)
 from rich.console import Console
 
-from bench.agent_workload import AgentSession, AgentWorkload, build_agent_workload
-from bench.serve import (
-    KEY, REPO_ROOT, Sample, ServeBenchConfig, _pct, running_stack, stack_metric_families, stream_chat,
-)
-
+AGENT_PRESET = "agent"  # random weights with 32k positions: every session fits
 BLOCK_TOKENS = 16
 
 
@@ -161,8 +172,7 @@ def session_counters(state_dir: Path) -> dict[str, float]:
 
 
 def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
-    from shared.engine.presets import write_preset
-    from shared.stack.model import DEFAULT_PRESET
+    from kvmesh.engine.presets import write_preset
 
     say = Console(stderr=True)
     w = build_agent_workload(REPO_ROOT, cfg.sessions, seed=cfg.seed, arrival_rate=cfg.arrival_rate,
@@ -171,7 +181,7 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
                     "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "session_worker_policy": cfg.worker_policy, "max_tokens": cfg.max_tokens, "arrival_rate": cfg.arrival_rate}
     outputs: dict[str, dict[tuple[str, int], str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
-        model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
+        model_dir = write_preset(Path(tmp) / AGENT_PRESET, AGENT_PRESET, "llama", seed=0)
         kv_block_bytes = 512 * BLOCK_TOKENS  # the agent preset: 2 layers x 2 KV heads x 16 dims x K,V x fp32
         base = {"KVMESH_ENGINE__NUM_BLOCKS": str(cfg.l1_blocks), "KVMESH_ENGINE__BLOCK_SIZE": str(BLOCK_TOKENS),
                 "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}

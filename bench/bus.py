@@ -19,20 +19,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bus.connection import connect
+from kvmesh.bus.consumer import ConsumerLoop
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import request, serve
+from kvmesh.config import BusSettings
+from kvmesh.log import configure_logging
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import ErrorReply
+from kvmesh.protocol.streams import JOBS, ConsumerSpec, declare_all
+from kvmesh.stack.servers import NatsServer
 from rich.console import Console
 from rich.progress import Progress
-
-from shared.bus.connection import connect
-from shared.bus.consumer import ConsumerLoop
-from shared.bus.publish import Publisher
-from shared.bus.request import request, serve
-from shared.config import BusSettings
-from shared.log import configure_logging
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import ErrorReply
-from shared.protocol.streams import JOBS, ConsumerSpec, declare_all
-from shared.stack.servers import NatsServer
 
 
 @dataclass(slots=True)

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvmesh.config import ConstraintSettings, EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol.serving import Constraint
 from rich.console import Console
 from rich.progress import Progress
-
-from shared.config import ConstraintSettings, EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import load_model
-from shared.engine.sampling import SamplingParams
-from shared.protocol.serving import Constraint
 
 # A long, fixed-shape JSON array: every row must write many tokens before the grammar can close.
 SCHEMA = {"type": "array", "minItems": 200, "maxItems": 200,
@@ -78,7 +77,7 @@ def run_constrained_bench(cfg: ConstrainedBenchConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = cfg.model_dir
         if model_dir is None:
-            from shared.engine.presets import write_preset
+            from kvmesh.engine.presets import write_preset
 
             console.log(f"writing the {cfg.preset} preset")
             model_dir = write_preset(Path(tmp) / cfg.preset, cfg.preset)

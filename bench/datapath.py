@@ -31,27 +31,26 @@ import asyncio
 import gc
 import tempfile
 import time
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+from kvmesh.bench import datapath_paths as paths
+from kvmesh.bench.kv_chain import ChainSpec, chain_blocks
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.presets import write_preset
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.sim.recompute_model import GEOMETRIES, describe, recompute_s
+from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.tiers.arena import HeapArena
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
 from rich.console import Console
 from rich.progress import Progress
-
-from bench import datapath_paths as paths
-from bench.kv_chain import ChainSpec, chain_blocks
-from shared.sim.recompute_model import GEOMETRIES, describe, recompute_s
-from shared.cache_policy.base import LRUPolicy
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import load_model
-from shared.engine.presets import write_preset
-from shared.serving.engine_loop import EngineLoop
-from shared.stack.servers import NatsServer, S3Server
-from shared.tiers.arena import HeapArena
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l2_host import HostTier
 
 SALT = bytes.fromhex("5a" * 16)
 

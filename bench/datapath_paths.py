@@ -21,19 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats
-
-from bench.kv_chain import ChainSpec, chain_blocks
-from shared.config import Settings
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.kv_fetch import L2Source, L3Source, PeerSource, Source, fetch_chain
-from shared.serving.worker_tiers import WorkerTiers, namespace_for
-from shared.stack.servers import S3Server
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import MissCounters
-from shared.tiers.peer_nats import NatsPeerClient
-from shared.tiers.peer_shm import ShmPeerClient
-from shared.tiers.s3_client import fast_fail_client
+from kvmesh.bench.kv_chain import ChainSpec, chain_blocks
+from kvmesh.config import Settings
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.kv_fetch import L2Source, L3Source, PeerSource, Source, fetch_chain
+from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
+from kvmesh.stack.servers import S3Server
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import MissCounters
+from kvmesh.tiers.peer_nats import NatsPeerClient
+from kvmesh.tiers.peer_shm import ShmPeerClient
+from kvmesh.tiers.s3_client import fast_fail_client
 
 WINDOW = 16  # blocks per window: one L3 chunk of 256 tokens at block size 16
 INFLIGHT = 4  # the workers' default `resolve_inflight`
@@ -79,7 +78,7 @@ async def restore_l3(env: Env) -> AsyncIterator[RunOnce]:
 async def _owner(env: Env) -> AsyncIterator[None]:
     """Another process holding the chain in its L2 (shared-memory arena) and serving it over NATS."""
     s = env.spec
-    cmd = [sys.executable, "-m", "bench.kv_owner", "--nats", env.nats_url, "--worker-id", OWNER,
+    cmd = [sys.executable, "-m", "kvmesh.bench.kv_owner", "--nats", env.nats_url, "--worker-id", OWNER,
            "--fingerprint", s.fingerprint, "--salt", s.tenant_salt.hex(), "--context", str(s.context),
            "--shape", ",".join(map(str, s.block_shape)), "--seed", str(s.seed), "--shm"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.sampling import SamplingParams
 from rich.console import Console
 from rich.progress import Progress
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.sampling import SamplingParams
 
 CACHED_FRACTIONS = (0.0, 0.5, 0.9)
 
@@ -215,7 +214,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         model_dir = cfg.model_dir
         if model_dir is None:
-            from shared.engine.presets import write_preset
+            from kvmesh.engine.presets import write_preset
 
             console.print("writing the small preset ...")
             model_dir = write_preset(Path(tmp) / "small", "small", "llama", seed=cfg.seed)

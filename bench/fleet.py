@@ -43,20 +43,25 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bench.fleet_procs import (
+    ASSIGN,
+    STATS,
+    eviction_main,
+    index_main,
+    ingress_main,
+)
+from kvmesh.bench.fleet_worker import EmulatedWorker, FleetWorkerConfig
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.publish import Publisher
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.config import BusSettings, EvictionSettings, IndexSettings
+from kvmesh.log import configure_logging
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import KV_EVENTS, declare_all
+from kvmesh.stack.servers import NatsServer
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.fleet_procs import ASSIGN, STATS, eviction_main, index_main, ingress_main
-from bench.fleet_worker import EmulatedWorker, FleetWorkerConfig
-from shared.bus.connection import close, connect
-from shared.bus.publish import Publisher
-from shared.cache_index.service import CacheIndex
-from shared.config import BusSettings, EvictionSettings, IndexSettings
-from shared.log import configure_logging
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.streams import KV_EVENTS, declare_all
-from shared.stack.servers import NatsServer
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 CHURN_PREFIX = "churn-"

@@ -26,19 +26,19 @@ import random
 import time
 from multiprocessing.queues import Queue
 
-from shared.bus.connection import connect
-from shared.bus.publish import Publisher
-from shared.bus.request import serve
-from shared.cache_index.client import lookup_prefix
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.cache_index.service import CacheIndex
-from shared.config import BusSettings, EvictionSettings, IndexSettings, IngressSettings
-from shared.eviction.service import EvictionService
-from shared.ingress.router import Router, WorkerTable
-from shared.log import configure_logging
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.heap import freeze_startup_heap
+from kvmesh.bus.connection import connect
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import serve
+from kvmesh.cache_index.client import lookup_prefix
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.config import BusSettings, EvictionSettings, IndexSettings, IngressSettings
+from kvmesh.eviction.service import EvictionService
+from kvmesh.ingress.router import Router, WorkerTable
+from kvmesh.log import configure_logging
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heap import freeze_startup_heap
 
 STATS = "bench.fleet.index.stats"
 ASSIGN = "bench.fleet.assign"

@@ -18,20 +18,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvmesh.bus.consumer import ConsumerLoop
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import BusSettings, IndexSettings
+from kvmesh.eviction.messages import Demote, WorkerCommand
+from kvmesh.eviction.worker_commands import command_consumer
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.tiers.miss import Tier
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-
-from shared.bus.consumer import ConsumerLoop
-from shared.bus.publish import Publisher
-from shared.config import BusSettings, IndexSettings
-from shared.eviction.messages import Demote, WorkerCommand
-from shared.eviction.worker_commands import command_consumer
-from shared.kv_events.publisher import KVEventPublisher
-from shared.metrics import ServiceMetrics
-from shared.protocol.messages import Role
-from shared.service.heartbeat import HeartbeatLoop
-from shared.tiers.miss import Tier
 
 
 @dataclass(frozen=True, slots=True)

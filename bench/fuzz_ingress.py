@@ -10,10 +10,10 @@ examples, statuses, 5xx responses, and 4xx bodies not in the route's dialect
 error format (OpenAI `{"error": {"message", "type"}}`, Anthropic
 `{"type": "error", "error": {"type", "message"}}`), with the first few
 offenders to reproduce. tests/ingress/test_fuzz.py runs a small bounded
-pass; `python -m bench.fuzz_ingress` a longer one (needs the `test` extra):
+pass; `python -m kvmesh.bench.fuzz_ingress` a longer one (needs the `test` extra):
 
-    python -m bench.fuzz_ingress --examples 200 --seed 1            # a stack of its own (tiny model)
-    python -m bench.fuzz_ingress --url http://127.0.0.1:8000 --key sk-...   # an ingress already up
+    python -m kvmesh.bench.fuzz_ingress --examples 200 --seed 1            # a stack of its own (tiny model)
+    python -m kvmesh.bench.fuzz_ingress --url http://127.0.0.1:8000 --key sk-...   # an ingress already up
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from shared.ingress.errors import Dialect, dialect_of
+from kvmesh.ingress.errors import Dialect, dialect_of
 
 TOKEN_CAP = 4  # completion tokens of a fuzzed request that names the served model: keeps generation short
 AUTH_HEADERS = ("authorization", "x-api-key")
@@ -106,8 +105,9 @@ def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:
     """Fuzz every operation of the ingress at `base_url` with API key `key`; see the module docstring."""
     import requests  # what schemathesis sends with
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as seeded
+    from hypothesis import strategies as st
     from hypothesis.errors import Unsatisfiable
 
     auth = {"authorization": f"Bearer {key}"}
@@ -147,7 +147,7 @@ def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:
 @contextmanager
 def own_stack(say: Any) -> Iterator[tuple[str, str]]:
     """(ingress URL, API key) of a `kvmesh up` stack with the tiny preset, in a temp dir; always `kvmesh down`."""
-    from shared.stack.servers import free_port
+    from kvmesh.stack.servers import free_port
 
     bindir = Path(sys.executable).parent
     key = "sk-fuzz"

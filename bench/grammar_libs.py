@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from kvmesh.engine.synthetic_tokenizer import EOS, EOT, train_tokenizer
 from rich.console import Console
-
-from shared.engine.synthetic_tokenizer import EOS, EOT, train_tokenizer
 
 SEPARATORS = (", ", ": ")
 

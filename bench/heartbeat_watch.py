@@ -30,18 +30,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvmesh.bus.connection import close, connect
+from kvmesh.config import BusSettings
+from kvmesh.log import configure_logging
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.protocol.streams import declare_all
+from kvmesh.service.watch import watch_workers
+from kvmesh.stack.servers import NatsServer
 from nats.js import api
 from rich.console import Console
 from rich.progress import Progress
-
-from shared.bus.connection import close, connect
-from shared.config import BusSettings
-from shared.log import configure_logging
-from shared.protocol import subjects
-from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.streams import declare_all
-from shared.service.watch import watch_workers
-from shared.stack.servers import NatsServer
 
 LAYERS = ("core_subscription", "ordered_consumer", "kv_watcher", "watch_workers")
 
@@ -123,7 +122,7 @@ async def _run(cfg: HeartbeatWatchBenchConfig, server: NatsServer) -> dict:
     await declare_all(nc.jetstream())
     await close(nc)
     duration = len(LAYERS) * (cfg.window_s + 2.0) + 2.0
-    writer = subprocess.Popen([sys.executable, "-m", "bench.heartbeat_watch", server.url, str(cfg.workers),
+    writer = subprocess.Popen([sys.executable, "-m", "kvmesh.bench.heartbeat_watch", server.url, str(cfg.workers),
                                str(cfg.period_s), str(duration)], stdout=subprocess.PIPE, text=True)
     layers: dict[str, dict] = {}
     try:

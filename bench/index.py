@@ -25,23 +25,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.request import request, serve
+from kvmesh.cache_index.feeds import IndexState
+from kvmesh.cache_index.index import keys_of
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.config import BusSettings, IndexSettings
+from kvmesh.kv_events.event_log import EventLog
+from kvmesh.kv_events.events import KVEventBatch
+from kvmesh.log import configure_logging
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import declare_all
+from kvmesh.stack.servers import NatsServer
+from kvmesh.tiers.miss import Tier
 from rich.console import Console
 from rich.progress import Progress
-
-from shared.bus.connection import close, connect
-from shared.bus.request import request, serve
-from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import keys_of
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.cache_index.service import CacheIndex
-from shared.config import BusSettings, IndexSettings
-from shared.kv_events.event_log import EventLog
-from shared.kv_events.events import KVEventBatch
-from shared.log import configure_logging
-from shared.protocol import subjects
-from shared.protocol.streams import declare_all
-from shared.stack.servers import NatsServer
-from shared.tiers.miss import Tier
 
 
 @dataclass(slots=True)

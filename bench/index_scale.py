@@ -27,17 +27,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.bus.connection import close, connect
-from shared.bus.request import request, serve
-from shared.cache_index import snapshot
-from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import BlockIndex, key_of
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.config import BusSettings
-from shared.log import configure_logging
-from shared.protocol import subjects
-from shared.stack.servers import NatsServer
-from shared.tiers.miss import Tier
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.request import request, serve
+from kvmesh.cache_index import snapshot
+from kvmesh.cache_index.feeds import IndexState
+from kvmesh.cache_index.index import BlockIndex, key_of
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.config import BusSettings
+from kvmesh.log import configure_logging
+from kvmesh.protocol import subjects
+from kvmesh.stack.servers import NatsServer
+from kvmesh.tiers.miss import Tier
 
 _BUCKET_MAX = 1 << 30  # the snapshot bucket's max_bytes (shared/cache_index/snapshot.py)
 _MEASURED_MAX = 320 << 20  # larger blobs are projected, not built: encoding one takes minutes on 2 cores

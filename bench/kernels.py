@@ -1,6 +1,6 @@
 """Paged attention (torch path, and Triton on CUDA) vs plain dense SDPA on contiguous K/V.
 
-    python -m bench.kernels [--device cpu|cuda] [--repeats 9] [--threads N]
+    python -m kvmesh.bench.kernels [--device cpu|cuda] [--repeats 9] [--threads N]
 
 Cases use the `small` preset's attention shape (Hq 12, Hkv 4, head_dim 64,
 block_size 16): a 2k-token prefill, a 256-token chunk over a 1792-token
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvmesh.kernels.dispatch import ENV_VAR
+from kvmesh.kernels.paged_attention import paged_attention
 from rich.progress import Progress
 from torch.nn.attention.bias import causal_lower_right
-
-from kernels.dispatch import ENV_VAR
-from kernels.paged_attention import paged_attention
 
 HQ, HKV, D, BS = 12, 4, 64, 16
 

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.engine.kv_block import KVBlock
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.engine.kv_block import KVBlock
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ as between containers), serves it with the worker's NATS peer server, and
 prints one line `ready <blocks> <bytes>` once it does. It runs until stdin
 closes or it is told to stop.
 
-    python -m bench.kv_owner --nats URL --worker-id ID --fingerprint FP --salt HEX \
+    python -m kvmesh.bench.kv_owner --nats URL --worker-id ID --fingerprint FP --salt HEX \
         --context N --shape L,2,B,H,D [--seed S] [--shm]
 """
 
@@ -19,14 +19,13 @@ import signal
 import sys
 
 import nats
-
-from bench.kv_chain import ChainSpec, chain_blocks
-from shared.cache_policy.base import LRUPolicy
-from shared.tiers.arena import HeapArena
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l2_host import HostTier
-from shared.tiers.peer_nats import NatsPeerServer
-from shared.tiers.shm_slab import SlabArena
+from kvmesh.bench.kv_chain import ChainSpec, chain_blocks
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.tiers.arena import HeapArena
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.peer_nats import NatsPeerServer
+from kvmesh.tiers.shm_slab import SlabArena
 
 
 def fill(spec: ChainSpec, worker_id: str, shm: bool) -> HostTier:

@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.l3_fill import FillSpec, chunk_key, fill
+from kvmesh.bench.l3_fill import FillSpec, chunk_key, fill
 
 FP = "fp-bench-l3gc"
 TTL_S = 3600
@@ -61,8 +61,8 @@ class L3GCBenchConfig:
 
 
 def run_l3_gc_bench(cfg: L3GCBenchConfig) -> dict:
-    from shared.stack.servers import S3Server
-    from shared.tiers.s3_requests import counting_client
+    from kvmesh.stack.servers import S3Server
+    from kvmesh.tiers.s3_requests import counting_client
 
     sizes = sorted(cfg.objects)
     with tempfile.TemporaryDirectory(prefix="kvmesh-l3gc-") as tmp:
@@ -154,11 +154,11 @@ def _child(kind: str, creds: tuple[str, str, str], now: float, keys_per_pass: in
 
 
 def _measure(queue, kind: str, creds: tuple[str, str, str], now: float, keys_per_pass: int, passes: int) -> None:
-    from shared.cache_policy.registry import get_policy
-    from shared.eviction.l3_gc import GCLimits, plan_gc, scan
-    from shared.eviction.l3_sweep import L3Sweep
-    from shared.tiers.l3_store import L3Store
-    from shared.tiers.s3_requests import counting_client
+    from kvmesh.cache_policy.registry import get_policy
+    from kvmesh.eviction.l3_gc import GCLimits, plan_gc, scan
+    from kvmesh.eviction.l3_sweep import L3Sweep
+    from kvmesh.tiers.l3_store import L3Store
+    from kvmesh.tiers.s3_requests import counting_client
 
     store = L3Store(counting_client(*creds), BUCKET, fingerprint=FP, ttl_s=TTL_S)
     policy, never = get_policy("cost"), (lambda o: False)

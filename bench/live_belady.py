@@ -30,12 +30,12 @@ import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import LiveBeladySettings
-from shared.eviction.access_window import AccessWindow
-from shared.eviction.live_belady import LiveBelady, compute
-from shared.protocol import subjects
-from shared.protocol.traffic import TrafficRecord, hash_id
-from shared.sim.trace import load_trace
+from kvmesh.config import LiveBeladySettings
+from kvmesh.eviction.access_window import AccessWindow
+from kvmesh.eviction.live_belady import LiveBelady, compute
+from kvmesh.protocol import subjects
+from kvmesh.protocol.traffic import TrafficRecord, hash_id
+from kvmesh.sim.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 
@@ -70,9 +70,8 @@ def synthetic_records(trace_path: Path, rate: float, count: int) -> list[Traffic
 async def _upkeep(records: list[TrafficRecord], settings: LiveBeladySettings) -> float:
     """CPU seconds per record for following TRAFFIC into the window (the consume phase only)."""
     import nats
-
-    from shared.protocol.streams import declare_all
-    from shared.stack.servers import NatsServer
+    from kvmesh.protocol.streams import declare_all
+    from kvmesh.stack.servers import NatsServer
 
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(data_dir=Path(tmp) / "nats")

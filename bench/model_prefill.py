@@ -1,6 +1,6 @@
 """Prefill cost of a synthetic checkpoint, full vs over a cached prefix, and logit margins.
 
-    python -m bench.model_prefill [--preset small] [--tokens 2048] [--cached 1536]
+    python -m kvmesh.bench.model_prefill [--preset small] [--tokens 2048] [--cached 1536]
 
 Prints one JSON object: parameter count, best-of-N seconds for a full prefill of
 `--tokens` tokens, seconds for the same request when its first `--cached`
@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.presets import write_preset
 from rich.progress import Progress
-
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.presets import write_preset
 
 BLOCK = 16
 

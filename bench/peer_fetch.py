@@ -7,7 +7,7 @@ shared-memory attach is measured too, to say whether it beats a loopback hop.
 Client and owner share one process and event loop (as a worker's side server
 would); nats-server is a real separate process. Prints one JSON object.
 
-    .venv/bin/python -m bench.peer_fetch [--blocks 1000] [--concurrency 16]
+    .venv/bin/python -m kvmesh.bench.peer_fetch [--blocks 1000] [--concurrency 16]
 
 (bench/transfer_engines.py measures the same NATS paths between two processes, at 8B geometry,
 against NIXL, Mooncake, shared memory and memcpy.)
@@ -26,18 +26,17 @@ from pathlib import Path
 
 import nats
 from fastapi import FastAPI
+from kvmesh.bench.tier_blocks import small_block_shape, synthetic_chain
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.stack.servers import NatsServer
+from kvmesh.tiers.block_format import decode_block, encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissCounters
+from kvmesh.tiers.peer_http import HttpPeerClient, peer_router, serve_in_loop
+from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.tiers.shm_slab import SlabArena, SlabReader
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.tier_blocks import small_block_shape, synthetic_chain
-from shared.cache_policy.base import LRUPolicy
-from shared.stack.servers import NatsServer
-from shared.tiers.block_format import decode_block, encode_kv_block
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissCounters
-from shared.tiers.peer_http import HttpPeerClient, peer_router, serve_in_loop
-from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
-from shared.tiers.shm_slab import SlabArena, SlabReader
 
 FP = "bench-peer-fetch"
 

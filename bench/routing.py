@@ -1,6 +1,6 @@
 """Prefill routing modes side by side: the serve workload on 2 prefill workers, `cost` vs `load` vs `round_robin`.
 
-`python -m bench.routing [--sessions N --turns T --concurrency C]`. For each
+`python -m kvmesh.bench.routing [--sessions N --turns T --concurrency C]`. For each
 mode (`KVMESH_INGRESS__ROUTING`) a fresh stack (`kvmesh up`, cache-index and
 L3 on, 2 prefill + 1 decode) runs the same multi-turn agent workload
 (bench/serve_workload.py, sessions carry a prompt_cache_key); figures per
@@ -19,10 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvmesh.bench.serve import (
+    REPO_ROOT,
+    ServeBenchConfig,
+    drive,
+    running_stack,
+    summarize,
+)
+from kvmesh.bench.serve_workload import build_workload
 from rich.console import Console
-
-from bench.serve import REPO_ROOT, ServeBenchConfig, drive, running_stack, summarize
-from bench.serve_workload import build_workload
 
 MODES = ("cost", "load", "round_robin")
 
@@ -44,7 +49,7 @@ def routing_mode(mode: str) -> Iterator[None]:
 def run_routing_bench(cfg: ServeBenchConfig) -> dict:
     say = Console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-model-") as tmp:
-        from shared.engine.presets import write_preset
+        from kvmesh.engine.presets import write_preset
 
         model_dir = cfg.model_dir or write_preset(Path(tmp) / cfg.preset, cfg.preset, "llama", seed=0)
         w = build_workload(cfg.sessions, cfg.turns, REPO_ROOT)

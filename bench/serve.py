@@ -30,9 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.bench.serve_workload import Session, Workload, build_workload
 from rich.console import Console
-
-from bench.serve_workload import Session, Workload, build_workload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench-serve"
@@ -69,7 +68,7 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
 
     `extra_env` adds settings (`KVMESH_...`) for every service of the stack; `state_dir` (instead
     of a temp dir) lets the caller read the stack's state file (`stack.json`: every endpoint)."""
-    from shared.stack.servers import free_port
+    from kvmesh.stack.servers import free_port
 
     kvmesh = str(Path(sys.executable).parent / "kvmesh")
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as scratch:
@@ -184,12 +183,11 @@ class Overhead:
 async def overhead(base_url: str, model: str, model_dir: Path, w: Workload, cfg: ServeBenchConfig) -> Overhead:
     """Sessions one request at a time through the services and the in-process engine (same ids, same cache)."""
     import openai
-
-    from shared.config import EngineSettings
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
-    from shared.ingress.prompt import PromptBuilder
+    from kvmesh.config import EngineSettings
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
+    from kvmesh.ingress.prompt import PromptBuilder
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, EngineSettings())
@@ -250,7 +248,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-model-") as tmp:
         model_dir = cfg.model_dir
         if model_dir is None:
-            from shared.engine.presets import write_preset
+            from kvmesh.engine.presets import write_preset
 
             model_dir = write_preset(Path(tmp) / cfg.preset, cfg.preset, "llama", seed=0)
         model = model_dir.name

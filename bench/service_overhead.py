@@ -11,7 +11,7 @@ client->job published, job->first token event, token event->client, and
 first token->handoff. Prompts are unique per request (no cache hits on
 either side). Progress on stderr, one JSON object on stdout.
 
-    .venv/bin/python -m bench.service_overhead [--requests 20] [--sizes 16,128,512] [--spans]
+    .venv/bin/python -m kvmesh.bench.service_overhead [--requests 20] [--sizes 16,128,512] [--spans]
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvmesh.bench.serve import _pct
 from rich.console import Console
-
-from bench.serve import _pct
 
 KEY = "sk-bench-overhead"
 
@@ -39,9 +38,9 @@ KEY = "sk-bench-overhead"
 @contextmanager
 def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, str, Path]]:
     """(ingress base URL, NATS URL with the admin's credentials, state dir) of a stack of our own; always `kvmesh down`."""
-    from shared.stack.nats_credentials import admin_auth
-    from shared.stack.servers import free_port
-    from shared.stack.state import load_state
+    from kvmesh.stack.nats_credentials import admin_auth
+    from kvmesh.stack.servers import free_port
+    from kvmesh.stack.state import load_state
 
     kvmesh = str(Path(sys.executable).parent / "kvmesh")
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-overhead-") as tmp:
@@ -72,9 +71,8 @@ class Tap:
 
     async def start(self, nats_url: str):
         import nats
-
-        from shared.protocol import subjects
-        from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
+        from kvmesh.protocol import subjects
+        from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 
         nc = await nats.connect(nats_url)
 
@@ -112,12 +110,11 @@ async def service_ttft(client, prompt: str, max_tokens: int) -> tuple[float, flo
 
 async def measure(url: str, nats_url: str, model_dir: Path, sizes: list[int], n: int, say: Console) -> dict:
     import httpx
-
-    from shared.config import EngineSettings
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
-    from shared.ingress.prompt import PromptBuilder
+    from kvmesh.config import EngineSettings
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
+    from kvmesh.ingress.prompt import PromptBuilder
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, EngineSettings())
@@ -188,7 +185,7 @@ def main() -> None:
     ap.add_argument("--spans", action="store_true", help="info logs in the stack: the prefill worker's spans too")
     a = ap.parse_args()
     say = Console(stderr=True)
-    from shared.engine.presets import write_preset
+    from kvmesh.engine.presets import write_preset
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-model-") as tmp:
         model_dir = write_preset(Path(tmp) / "tiny", "tiny", "llama", seed=0)

@@ -16,7 +16,7 @@ this geometry is checked by tests/serving/test_real_geometry.py (a short
 context, where a reference run is affordable on a CPU). Prints one JSON
 object.
 
-    python -m bench.session_memory [--context 16384] [--new-tokens 512]
+    python -m kvmesh.bench.session_memory [--context 16384] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ from pathlib import Path
 
 import nats
 import torch
+from kvmesh.engine.presets import write_preset
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import PrefillJob, SamplingSpec, TokenEvent
+from kvmesh.protocol.streams import declare_all
+from kvmesh.stack.servers import ManagedProcess, NatsServer, S3Server, spawn_process
 from minio import Minio
 from rich.console import Console
-
-from shared.engine.presets import write_preset
-from shared.protocol import subjects
-from shared.protocol.serving import PrefillJob, SamplingSpec, TokenEvent
-from shared.protocol.streams import declare_all
-from shared.stack.servers import ManagedProcess, NatsServer, S3Server, spawn_process
 
 BLOCK_SIZE = 16
 KV_BYTES_PER_TOKEN = 131072
@@ -69,7 +68,7 @@ class Workers:
 
     def start(self, role: str, worker_id: str, **extra: str) -> ManagedProcess:
         env = self.env | {"KVMESH_SERVICE__WORKER_ID": worker_id} | extra
-        proc = spawn_process(worker_id, [sys.executable, "-m", f"services.{role}"], self.root / f"{worker_id}.log",
+        proc = spawn_process(worker_id, [sys.executable, "-m", f"kvmesh.services.{role}"], self.root / f"{worker_id}.log",
                              detach=False, env=env)
         self.procs[worker_id] = proc
         end = time.monotonic() + 300

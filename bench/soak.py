@@ -35,12 +35,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bench.agent_workload import AgentSession, build_agent_workload
+from kvmesh.bench.serve import (
+    KEY,
+    REPO_ROOT,
+    ServeBenchConfig,
+    running_stack,
+    stack_metric_families,
+    stream_chat,
+)
 from rich.console import Console
 
-from bench.agent_workload import AgentSession, build_agent_workload
-from bench.serve import KEY, REPO_ROOT, ServeBenchConfig, running_stack, stack_metric_families, stream_chat
-
 FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
+AGENT_PRESET = "agent"  # random weights with 32k positions: every session fits, and blocks are small (8 KiB)
 FDS_SLACK = 2  # a growth test's floor: a request's sockets come and go
 
 
@@ -163,10 +170,9 @@ async def _drive(base_url: str, model: str, sessions: list[AgentSession], tools:
 
 async def _dead_letters(state_dir: Path) -> int:
     import nats
-
-    from shared.bus.client_auth import connect_kwargs
-    from shared.protocol.streams import DEAD_LETTER
-    from shared.stack.nats_credentials import admin_auth
+    from kvmesh.bus.client_auth import connect_kwargs
+    from kvmesh.protocol.streams import DEAD_LETTER
+    from kvmesh.stack.nats_credentials import admin_auth
 
     url = json.loads((state_dir / "stack.json").read_text())["nats_url"]
     nc = await nats.connect(**connect_kwargs(url, admin_auth(state_dir)))
@@ -211,18 +217,17 @@ def _plot(samples: list[dict], path: Path) -> bool:
 def run_soak(cfg: SoakConfig) -> dict:
     import tempfile
 
-    from shared.engine.presets import PRESETS, write_preset
-    from shared.stack.model import DEFAULT_PRESET
+    from kvmesh.engine.presets import PRESETS, write_preset
 
     say = Console(stderr=True)
     w = build_agent_workload(REPO_ROOT, cfg.sessions * 2, seed=cfg.seed, max_steps=cfg.max_steps)
-    p = PRESETS[DEFAULT_PRESET]
+    p = PRESETS[AGENT_PRESET]
     kv_block_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * 4 * 16  # fp32, 16-token blocks
     result: dict = {"config": {"duration_s": cfg.duration_s, "sessions": cfg.sessions, "l2_blocks": cfg.l2_blocks,
-                               "model": DEFAULT_PRESET, "sample_every_s": cfg.sample_every_s,
+                               "model": AGENT_PRESET, "sample_every_s": cfg.sample_every_s,
                                "warmup_s": cfg.warmup_s}}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-soak-") as tmp:
-        model_dir = write_preset(Path(tmp) / DEFAULT_PRESET, DEFAULT_PRESET, "llama", seed=0)
+        model_dir = write_preset(Path(tmp) / AGENT_PRESET, AGENT_PRESET, "llama", seed=0)
         state_dir = Path(tmp) / "stack"
         state_dir.mkdir()
         env = {"KVMESH_ENGINE__BLOCK_SIZE": "16",

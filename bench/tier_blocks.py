@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-from shared.config import EngineSettings
-from shared.engine.kv_block import KVBlock
-from shared.engine.presets import PRESETS
+from kvmesh.config import EngineSettings
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.engine.presets import PRESETS
 
 
 def small_block_shape(block_size: int | None = None) -> tuple[int, ...]:

@@ -20,19 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvmesh.bench.tier_blocks import small_block_shape, synthetic_chain
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.stack.servers import S3Server
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.chunk_format import encode_chunk
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss
+from kvmesh.tiers.s3_client import fast_fail_client
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.tier_blocks import small_block_shape, synthetic_chain
-from shared.cache_policy.base import LRUPolicy
-from shared.engine.kv_block import KVBlock
-from shared.stack.servers import S3Server
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.chunk_format import encode_chunk
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss
-from shared.tiers.s3_client import fast_fail_client
 
 FP = "bench-tiers"
 
@@ -137,10 +136,10 @@ def bench_l3(store: L3Store, blocks: list[KVBlock]) -> dict:
 
 def bench_restore(store: L3Store, model_dir: Path, tokens: int, seed: int) -> dict:
     """Restore a prefix from L3 into a fresh engine vs recompute it; both emit the same next token."""
-    from shared.config import EngineSettings
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.config import EngineSettings
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
 
     loaded = load_model(model_dir)
     settings = EngineSettings(block_size=16, num_blocks=tokens // 16 + 16, max_num_batched_tokens=tokens + 16)
@@ -195,7 +194,7 @@ def run_tiers_bench(cfg: TierBenchConfig) -> dict:
             del blocks
             if cfg.restore:
                 progress.update(task, advance=1, description=f"small model: restore {cfg.restore_tokens} tokens vs recompute")
-                from shared.engine.presets import write_preset
+                from kvmesh.engine.presets import write_preset
 
                 model_dir = write_preset(Path(tmp) / "small", "small", "llama", seed=cfg.seed)
                 result["restore"] = bench_restore(store, model_dir, cfg.restore_tokens, cfg.seed)

@@ -30,16 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import BusSettings
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import TokenEvent
+from kvmesh.protocol.streams import MINUTE, StreamSpec, declare_all
+from kvmesh.serving.token_stream import TokenStream
+from kvmesh.stack.servers import NatsServer
 from nats.js import api
-
-from shared.bus.connection import close, connect
-from shared.bus.publish import Publisher
-from shared.config import BusSettings
-from shared.protocol import subjects
-from shared.protocol.serving import TokenEvent
-from shared.protocol.streams import MINUTE, StreamSpec, declare_all
-from shared.serving.token_stream import TokenStream
-from shared.stack.servers import NatsServer
 
 # The stream as kvmesh declared it until issue 16 (shared/protocol/streams.py then).
 TOKENS_BEFORE = StreamSpec("TOKENS", (subjects.TOKENS_ALL,), 10 * MINUTE, 1024 ** 3, 256 * 1024,

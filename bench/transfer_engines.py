@@ -20,7 +20,7 @@ Mooncake binds every interface, so it runs only where loopback is the only one
 (`unshare -n` gives such a namespace); elsewhere it is reported as skipped.
 Prints one JSON object: GB/s per path (median of `--reps`) and its ratio to memcpy.
 
-    .venv/bin/python -m bench.transfer_engines [--mib 256] [--block-mib 2] [--reps 3] [--only nats_batch,...]
+    .venv/bin/python -m kvmesh.bench.transfer_engines [--mib 256] [--block-mib 2] [--reps 3] [--only nats_batch,...]
 """
 
 from __future__ import annotations
@@ -97,12 +97,11 @@ def _owner_raw(out, kind: str, nbytes: int, block: int, stop, env: dict) -> None
 
 def _owner_kvmesh(out, kind: str, nbytes: int, block_mib: int, url: str, stop) -> None:
     import torch
-
-    from shared.cache_policy.base import LRUPolicy
-    from shared.engine.kv_block import KVBlock
-    from shared.tiers.arena import HeapArena
-    from shared.tiers.l2_host import HostTier
-    from shared.tiers.shm_slab import SlabArena
+    from kvmesh.cache_policy.base import LRUPolicy
+    from kvmesh.engine.kv_block import KVBlock
+    from kvmesh.tiers.arena import HeapArena
+    from kvmesh.tiers.l2_host import HostTier
+    from kvmesh.tiers.shm_slab import SlabArena
 
     worker = f"bench-te-{os.getpid()}"
     shape = _block_shape(block_mib)
@@ -117,8 +116,7 @@ def _owner_kvmesh(out, kind: str, nbytes: int, block_mib: int, url: str, stop) -
 
     async def serve() -> None:
         import nats
-
-        from shared.tiers.peer_nats import NatsPeerServer
+        from kvmesh.tiers.peer_nats import NatsPeerServer
 
         nc = await nats.connect(url)
         server = NatsPeerServer(nc, tier, worker, chunk_bytes=MIB if kind == "nats_per_block" else None,
@@ -181,8 +179,8 @@ def _read_shm(kind, info, nbytes, block, reps, url) -> list[float]:
 
 
 def _read_kvmesh_shm(kind, info, nbytes, block, reps, url) -> list[float]:
-    from shared.tiers.miss import Miss, MissCounters
-    from shared.tiers.peer_shm import ShmPeerClient
+    from kvmesh.tiers.miss import Miss, MissCounters
+    from kvmesh.tiers.peer_shm import ShmPeerClient
 
     client = ShmPeerClient(FP, MissCounters())
 
@@ -196,9 +194,8 @@ def _read_kvmesh_shm(kind, info, nbytes, block, reps, url) -> list[float]:
 
 def _read_nats(kind, info, nbytes, block, reps, url) -> list[float]:
     import nats
-
-    from shared.tiers.miss import Miss, MissCounters
-    from shared.tiers.peer_nats import NatsPeerClient
+    from kvmesh.tiers.miss import Miss, MissCounters
+    from kvmesh.tiers.peer_nats import NatsPeerClient
 
     async def run() -> list[float]:
         nc = await nats.connect(url)
@@ -336,7 +333,7 @@ def _memcpy(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from shared.stack.servers import NatsServer
+    from kvmesh.stack.servers import NatsServer
 
     wanted = [p for p in PATHS if p in args.only] if args.only else list(PATHS)
     result: dict = {"mib": args.mib, "block_mib": args.block_mib, "reps": args.reps, "cpus": os.cpu_count(),

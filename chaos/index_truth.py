@@ -13,17 +13,16 @@ import asyncio
 import time
 
 import nats
+from kvmesh.bus.request import request
+from kvmesh.cache_index import snapshot
+from kvmesh.cache_index.index import keys_of
+from kvmesh.cache_index.messages import SnapshotReply, SnapshotRequest
+from kvmesh.chaos.stack import nats_client
+from kvmesh.kv_events.dump import DumpError, fetch_dump
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import KV_EVENTS
+from kvmesh.tiers.miss import Tier
 from nats.js import JetStreamContext
-
-from chaos.stack import nats_client
-from shared.bus.request import request
-from shared.cache_index import snapshot
-from shared.cache_index.index import keys_of
-from shared.cache_index.messages import SnapshotReply, SnapshotRequest
-from shared.kv_events.dump import DumpError, fetch_dump
-from shared.protocol import subjects
-from shared.protocol.streams import KV_EVENTS
-from shared.tiers.miss import Tier
 
 SNAPSHOT_NAME = "index"  # IndexSettings.snapshot_name's default: the chaos stack keeps it
 

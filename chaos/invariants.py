@@ -15,13 +15,12 @@ import asyncio
 import time
 from bisect import bisect_left
 
+from kvmesh.chaos.load import Outcome
+from kvmesh.chaos.stack import stream_backlog
+from kvmesh.tiers.block_format import decode_block
+from kvmesh.tiers.chunk_format import decode_toc
+from kvmesh.tiers.miss import BlockMiss
 from minio import Minio
-
-from chaos.load import Outcome
-from chaos.stack import stream_backlog
-from shared.tiers.block_format import decode_block
-from shared.tiers.chunk_format import decode_toc
-from shared.tiers.miss import BlockMiss
 
 RETRIABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 RECOVERY_WINDOW_S = 10.0  # the window after the heal whose p99 must be back within 2x the baseline's

@@ -20,8 +20,7 @@ import time
 
 import httpx
 import openai
-
-from chaos.stack import API_KEY, BUCKET, EVICTION, WORKERS, ChaosStack
+from kvmesh.chaos.stack import API_KEY, BUCKET, EVICTION, WORKERS, ChaosStack
 
 READERS = ("prefill-0", "decode-0")  # restarted empty: they may find P only in L3
 REST = tuple(w for w in WORKERS if w not in READERS)

@@ -13,9 +13,8 @@ import threading
 import time
 
 import openai
-
-from chaos.load import PROMPTS
-from chaos.stack import API_KEY, ChaosStack
+from kvmesh.chaos.load import PROMPTS
+from kvmesh.chaos.stack import API_KEY, ChaosStack
 
 OVERLOAD_LIMIT = 6
 BURST = 18

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chaos.load import Outcome
+from kvmesh.chaos.load import Outcome
 
 
 def counts(outcomes: list[Outcome]) -> dict[str, int]:

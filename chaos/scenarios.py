@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import index_truth, invariants, l3_corrupt, overload, zombie
-from chaos.load import Load, Outcome
-from chaos.proxy import Fault, FaultProxy
-from chaos.report import counts, plot
-from chaos.stack import API_KEY, BUCKET, EVICTION, INDEX, WORKERS, ChaosStack
+from kvmesh.chaos import index_truth, invariants, l3_corrupt, overload, zombie
+from kvmesh.chaos.load import Load, Outcome
+from kvmesh.chaos.proxy import Fault, FaultProxy
+from kvmesh.chaos.report import counts, plot
+from kvmesh.chaos.stack import API_KEY, BUCKET, EVICTION, INDEX, WORKERS, ChaosStack
 
 Step = Callable[[ChaosStack], None]
 

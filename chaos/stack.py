@@ -6,7 +6,7 @@ every node syncing always), so a stream leader can be killed. Workers reach
 each NATS node and S3 through a `FaultProxy` of its own (the ingress reaches
 NATS directly), so latency, blackholes and resets can be injected between
 the workers and their dependencies. Every process is a child started with
-`python -m services.<name>`; `stop()` kills them all by PID and checks that
+`python -m kvmesh.services.<name>`; `stop()` kills them all by PID and checks that
 no process or port is left behind.
 """
 
@@ -24,11 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chaos.proxy import FaultProxy
-from shared.stack.declare import declare_streams
-from shared.stack.probe import wait_http_ok
-from shared.stack.servers import (
-    ManagedProcess, NatsServer, S3Server, free_port, nats_cluster, pid_alive, port_in_use, spawn_process,
+from kvmesh.chaos.proxy import FaultProxy
+from kvmesh.stack.declare import declare_streams
+from kvmesh.stack.probe import wait_http_ok
+from kvmesh.stack.servers import (
+    ManagedProcess,
+    NatsServer,
+    S3Server,
+    free_port,
+    nats_cluster,
+    pid_alive,
+    port_in_use,
+    spawn_process,
 )
 
 if TYPE_CHECKING:
@@ -128,7 +135,7 @@ class ChaosStack:
             old.stop(grace_s=3.0)
         self.ports.setdefault(service_id, free_port())
         self.services[service_id] = service
-        argv = [sys.executable, "-m", f"services.{service}"]
+        argv = [sys.executable, "-m", f"kvmesh.services.{service}"]
         self.procs[service_id] = spawn_process(service_id, argv, self.root / "logs" / f"{service_id}.log",
                                                detach=False, env=self.env(service_id))
 
@@ -223,7 +230,7 @@ async def nats_client(nats_urls: list[str]) -> AsyncIterator[NATS]:
 
 
 async def _alive(nats_urls: list[str]) -> set[str]:
-    from shared.service.watch import alive_workers
+    from kvmesh.service.watch import alive_workers
 
     async with nats_client(nats_urls) as nc:
         return set(await alive_workers(nc.jetstream()))

@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 
 import openai
-
-from chaos.stack import API_KEY, ChaosStack
+from kvmesh.chaos.stack import API_KEY, ChaosStack
 
 PROMPT = "A seeded story that outlives the worker it began on, told one sampled word at a time:"
 SAMPLING = {"temperature": 0.9, "top_p": 0.95, "seed": 7151}

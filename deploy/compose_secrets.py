@@ -29,8 +29,8 @@ import secrets
 import sys
 from pathlib import Path
 
-from shared.bus.auth_config import NatsUser, render_accounts
-from shared.bus.permissions import ADMIN, ROLES, permissions
+from kvmesh.bus.auth_config import NatsUser, render_accounts
+from kvmesh.bus.permissions import ADMIN, ROLES, permissions
 
 # compose service -> the NATS role it connects as
 SERVICE_ROLES = {"ingress": "ingress", "prefill": "prefill", "decode": "decode",

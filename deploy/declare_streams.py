@@ -17,11 +17,11 @@ import argparse
 import asyncio
 import time
 
-from shared.bus.client_auth import ClientAuth
-from shared.bus.connection import close, connect
-from shared.config import Settings, load_settings
-from shared.log import configure_logging, get_logger
-from shared.protocol.streams import declare_all
+from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.bus.connection import close, connect
+from kvmesh.config import Settings, load_settings
+from kvmesh.log import configure_logging, get_logger
+from kvmesh.protocol.streams import declare_all
 
 log = get_logger("declare_streams")
 RETRY_S = 2.0

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from shared.bus.permissions import ROLES, Permissions, permissions
+from kvmesh.bus.permissions import ROLES, Permissions, permissions
 
 CHART_FILE = Path(__file__).resolve().parents[1] / "helm" / "kvmesh" / "files" / "nats-permissions.json"
 

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels.dispatch import use_triton
+from kvmesh.kernels.dispatch import use_triton
 
 
 def gather_blocks(
@@ -22,7 +21,7 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Return a contiguous copy ``[n, L, 2, block_size, Hkv, D]`` of the blocks."""
     if use_triton(kv_cache):
-        from kernels.triton.block_copy import gather_blocks_triton
+        from kvmesh.kernels.triton.block_copy import gather_blocks_triton
 
         return gather_blocks_triton(kv_cache, block_ids)
     ids = block_ids.to(device=kv_cache.device, dtype=torch.long)
@@ -40,7 +39,7 @@ def scatter_blocks(
     per block on the CPU path; stacking them first would copy every byte twice.
     """
     if use_triton(kv_cache):
-        from kernels.triton.block_copy import scatter_blocks_triton
+        from kvmesh.kernels.triton.block_copy import scatter_blocks_triton
 
         scatter_blocks_triton(kv_cache, block_ids, blocks if isinstance(blocks, torch.Tensor) else torch.stack(blocks))
         return

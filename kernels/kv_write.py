@@ -8,8 +8,7 @@ block_size + offset``). Slots are distinct within one call.
 from __future__ import annotations
 
 import torch
-
-from kernels.dispatch import use_triton
+from kvmesh.kernels.dispatch import use_triton
 
 
 def write_kv(
@@ -20,7 +19,7 @@ def write_kv(
 ) -> None:
     """Write k/v in place into kv_layer at slot_mapping."""
     if use_triton(kv_layer):
-        from kernels.triton.kv_write import write_kv_triton
+        from kvmesh.kernels.triton.kv_write import write_kv_triton
 
         write_kv_triton(kv_layer, k, v, slot_mapping)
         return

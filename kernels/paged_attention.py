@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvmesh.kernels.dispatch import use_triton
 from torch.nn.attention.bias import causal_lower_right
-
-from kernels.dispatch import use_triton
 
 
 def paged_attention(
@@ -30,7 +29,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Return attention output ``[T, Hq, D]`` in q's dtype."""
     if use_triton(q):
-        from kernels.triton.paged_attention import paged_attention_triton
+        from kvmesh.kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, kv_layer, block_tables, query_lens, context_lens, scale)
     return _paged_attention_torch(q, kv_layer, block_tables, query_lens, context_lens, scale)

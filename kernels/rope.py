@@ -9,8 +9,7 @@ model's (it owns frequency scaling such as Llama-3's).
 from __future__ import annotations
 
 import torch
-
-from kernels.dispatch import use_triton
+from kvmesh.kernels.dispatch import use_triton
 
 
 def apply_rope(
@@ -22,7 +21,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return rotated copies of q and k (inputs are left untouched)."""
     if use_triton(q):
-        from kernels.triton.rope import apply_rope_triton
+        from kvmesh.kernels.triton.rope import apply_rope_triton
 
         return apply_rope_triton(q, k, positions, cos, sin)
     c = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2]

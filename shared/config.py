@@ -209,7 +209,7 @@ class StackSettings(BaseModel):
     """How `kvmesh up` runs the local stack (servers from wheels, services from a package)."""
 
     bin_dir: Path | None = None  # look for nats-server / weed only here (default: beside python, then PATH)
-    services_package: str = "services"  # every <package>.<name> with a __main__ is a service
+    services_package: str = "kvmesh.services"  # every <package>.<name> with a __main__ is a service
     ready_timeout_s: float = 60.0
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
 

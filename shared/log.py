@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import structlog
-
-from shared.protocol import subjects
+from kvmesh.protocol import subjects
 
 # Loggers of libraries that are chatty at INFO; kept one level quieter than ours.
 _QUIET_LIBRARIES = ("uvicorn.access", "asyncio")

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from shared.engine.presets import write_preset
-from shared.stack.servers import NatsServer, S3Server
+from kvmesh.engine.presets import write_preset
+from kvmesh.stack.servers import NatsServer, S3Server
 
 pytest_plugins = ("guards",)  # hung tests fail with a stack trace instead of stalling the run
 
@@ -39,7 +38,7 @@ def llama3_8b_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir: Path):
     """The tiny Llama preset, loaded once per session."""
-    from shared.engine.loader import load_model
+    from kvmesh.engine.loader import load_model
 
     return load_model(tiny_model_dir)
 
@@ -62,9 +61,9 @@ def auth_nats_server(tmp_path_factory: pytest.TempPathFactory):
     """
     from dataclasses import replace
 
-    from shared.bus.auth_config import NatsUser
-    from shared.bus.permissions import permissions
-    from shared.stack.nats_credentials import load_or_create_nats_credentials
+    from kvmesh.bus.auth_config import NatsUser
+    from kvmesh.bus.permissions import permissions
+    from kvmesh.stack.nats_credentials import load_or_create_nats_credentials
 
     root = tmp_path_factory.mktemp("nats-auth")
     wanted = {"ingress-0": "ingress", "prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode",

@@ -6,8 +6,7 @@ import io
 
 import nats
 import pytest
-
-from shared.stack.servers import NatsServer, S3Server, port_in_use
+from kvmesh.stack.servers import NatsServer, S3Server, port_in_use
 
 
 async def test_nats_jetstream_sync_always(nats_server: NatsServer) -> None:

@@ -15,11 +15,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from kvmesh.aio import next_within
+from kvmesh.service.watch import Change, WorkerChange, watch_workers
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-
-from shared.aio import next_within
-from shared.service.watch import Change, WorkerChange, watch_workers
 
 T = TypeVar("T")
 

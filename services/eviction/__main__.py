@@ -1,8 +1,8 @@
-"""The eviction service process: `python -m services.eviction` (logic in shared/eviction)."""
+"""The eviction service process: `python -m kvmesh.services.eviction` (logic in shared/eviction)."""
 
-from shared.eviction.setup import setup
-from shared.protocol.messages import Role
-from shared.service.runner import run_service
+from kvmesh.eviction.setup import setup
+from kvmesh.protocol.messages import Role
+from kvmesh.service.runner import run_service
 
 if __name__ == "__main__":
     raise SystemExit(run_service("eviction", Role.EVICTION, setup))

@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.bus.permissions import Permissions
+from kvmesh.bus.permissions import Permissions
 
 KVMESH_ACCOUNT = "KVMESH"
 SYSTEM_ACCOUNT = "SYS"

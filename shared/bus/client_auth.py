@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from shared.config import Settings
+from kvmesh.config import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ Once connected, the client retries forever with exponential backoff (min..max
 from `BusSettings`, jittered so a fleet does not reconnect in lockstep),
 always trying the server it has failed on least. Publishes made while
 reconnecting are buffered by nats-py and flushed on reconnect; JetStream
-publishes are additionally retried by `shared.bus.publish`. The first connect
+publishes are additionally retried by `kvmesh.bus.publish`. The first connect
 is retried too (NATS may still be starting) but only for
 `connect_retry_total_s`; then `ConnectionError` says which URL never answered.
 With a `ClientAuth` the process connects as its NATS user (credentials in
@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
+from kvmesh.config import BusSettings
+from kvmesh.log import get_logger
 from nats.aio.client import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR, Server
 from nats.aio.client import Client as NATS
-
-from shared.bus.client_auth import ClientAuth, connect_kwargs
-from shared.config import BusSettings
-from shared.log import get_logger
 
 log = get_logger(__name__)
 

@@ -39,17 +39,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import nats.errors
+from kvmesh.bus.publish import Publisher, PublishError
+from kvmesh.config import BusSettings
+from kvmesh.log import bind_request, fields_from_headers, get_logger
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message, ProtocolError
+from kvmesh.protocol.streams import ConsumerSpec, declare_consumer
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
-
-from shared.bus.publish import Publisher, PublishError
-from shared.config import BusSettings
-from shared.log import bind_request, fields_from_headers, get_logger
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.base import Message, ProtocolError
-from shared.protocol.streams import ConsumerSpec, declare_consumer
 
 log = get_logger(__name__)
 

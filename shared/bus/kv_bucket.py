@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from kvmesh.protocol.streams import BucketSpec, declare_stream
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
-
-from shared.protocol.streams import BucketSpec, declare_stream
 
 
 async def open_bucket(js: JetStreamContext, spec: BucketSpec) -> KeyValue:

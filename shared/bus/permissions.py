@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import streams, subjects
+from kvmesh.protocol import streams, subjects
 
 INGRESS, PREFILL, DECODE, CACHE_INDEX, EVICTION, ADMIN = (
     "ingress", "prefill", "decode", "cache-index", "eviction", "admin")

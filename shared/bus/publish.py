@@ -16,15 +16,14 @@ import time
 from dataclasses import dataclass
 
 import nats.errors
+from kvmesh.config import BusSettings
+from kvmesh.log import get_logger, propagation_headers
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
-
-from shared.config import BusSettings
-from shared.log import get_logger, propagation_headers
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.base import Message
 
 log = get_logger(__name__)
 

@@ -15,15 +15,19 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import nats.errors
+from kvmesh.log import (
+    bind_request,
+    fields_from_headers,
+    get_logger,
+    propagation_headers,
+)
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message, ProtocolError
+from kvmesh.protocol.messages import ErrorReply
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-
-from shared.log import bind_request, fields_from_headers, get_logger, propagation_headers
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.base import Message, ProtocolError
-from shared.protocol.messages import ErrorReply
 
 log = get_logger(__name__)
 

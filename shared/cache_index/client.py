@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmesh.bus.request import RequestError, request
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
 from nats.aio.client import Client as NATS
-
-from shared.bus.request import RequestError, request
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.log import get_logger
-from shared.protocol import subjects
 
 log = get_logger(__name__)
 

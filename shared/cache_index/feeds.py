@@ -18,10 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.cache_index.index import BlockIndex, keys_of
-from shared.kv_events.dump import WorkerState
-from shared.kv_events.events import BlockMoved, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.index import BlockIndex, keys_of
+from kvmesh.kv_events.dump import WorkerState
+from kvmesh.kv_events.events import (
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+from kvmesh.tiers.miss import Tier
 
 MAX_HELD = 10_000  # events held during a gap; beyond, the dump (plus a later one) covers them
 

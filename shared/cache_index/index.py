@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
-from dataclasses import dataclass, field
-
-from shared.tiers.miss import Tier
+from kvmesh.tiers.miss import Tier
 
 L3_BIT = 1
 _TIER_OFFSET = {Tier.L1: 1, Tier.L2: 2}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from kvmesh.cache_index.index import LookupResult
+from kvmesh.kv_events.events import HexHash
+from kvmesh.protocol.base import Message
+from kvmesh.tiers.miss import Tier
 from pydantic import Field
-
-from shared.cache_index.index import LookupResult
-from shared.kv_events.events import HexHash
-from shared.protocol.base import Message
-from shared.tiers.miss import Tier
 
 
 class LookupRequest(Message):

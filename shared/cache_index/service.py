@@ -19,28 +19,32 @@ import asyncio
 import time
 from contextlib import suppress
 
+from kvmesh.aio import cancel_and_wait
+from kvmesh.bus.object_store import ObjectReadError
+from kvmesh.cache_index import snapshot
+from kvmesh.cache_index.feeds import IndexState
+from kvmesh.cache_index.index import keys_of
+from kvmesh.cache_index.messages import (
+    LookupReply,
+    LookupRequest,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from kvmesh.cache_index.metrics import IndexMetrics
+from kvmesh.config import IndexSettings
+from kvmesh.kv_events.dump import DumpError, fetch_dump
+from kvmesh.kv_events.events import KVEventBatch
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Heartbeat
+from kvmesh.protocol.streams import KV_EVENTS
+from kvmesh.service.runner import ServiceContext
+from kvmesh.service.watch import Change, alive_workers, follow_workers
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
-
-from shared.aio import cancel_and_wait
-from shared.bus.object_store import ObjectReadError
-from shared.cache_index import snapshot
-from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import keys_of
-from shared.cache_index.messages import LookupReply, LookupRequest, SnapshotReply, SnapshotRequest
-from shared.cache_index.metrics import IndexMetrics
-from shared.config import IndexSettings
-from shared.kv_events.dump import DumpError, fetch_dump
-from shared.kv_events.events import KVEventBatch
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.messages import Heartbeat
-from shared.protocol.streams import KV_EVENTS
-from shared.service.runner import ServiceContext
-from shared.service.watch import Change, alive_workers, follow_workers
 
 log = get_logger(__name__)
 

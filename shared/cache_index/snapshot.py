@@ -16,13 +16,12 @@ import struct
 import zlib
 
 import numpy as np
+from kvmesh.bus.object_store import read_object
+from kvmesh.cache_index.feeds import Feed, IndexState
+from kvmesh.cache_index.index import BlockIndex
+from kvmesh.protocol import subjects
 from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError
-
-from shared.bus.object_store import read_object
-from shared.cache_index.feeds import Feed, IndexState
-from shared.cache_index.index import BlockIndex
-from shared.protocol import subjects
 
 MAGIC = b"KVMIDX01"
 _WORD = (1 << 64) - 1

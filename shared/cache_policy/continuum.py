@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.cache_policy.base import BlockInfo
-from shared.sessions.book import SessionBook
-from shared.sessions.events import TurnOutcome
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.sessions.book import SessionBook
+from kvmesh.sessions.events import TurnOutcome
 
 # A TTL one would configure by hand: long enough for most tool runs
 # (seconds), short enough not to hold memory through a person's reply.

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.cache_policy.base import BlockInfo
-from shared.cache_policy.history import DEFAULT_HISTORY_ENTRIES, AccessHistory
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.history import DEFAULT_HISTORY_ENTRIES, AccessHistory
 
 
 @dataclass(slots=True, frozen=True)

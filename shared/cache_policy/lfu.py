@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.base import BlockInfo
 
 # Recency is squashed into [0, 1) so it only orders blocks of equal count;
 # the scale keeps millisecond resolution for clocks up to ~1e6 s.

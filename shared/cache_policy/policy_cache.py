@@ -32,7 +32,12 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.cache_policy.base import AccessObserver, BlockInfo, DisplacementGate, EvictionPolicy
+from kvmesh.cache_policy.base import (
+    AccessObserver,
+    BlockInfo,
+    DisplacementGate,
+    EvictionPolicy,
+)
 
 
 @dataclass(slots=True)

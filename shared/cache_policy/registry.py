@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.cache_policy.base import EvictionPolicy, LRUPolicy
-from shared.cache_policy.continuum import ContinuumPolicy
-from shared.cache_policy.cost import CostPolicy
-from shared.cache_policy.lfu import LFUPolicy
-from shared.cache_policy.session import SessionPolicy
-from shared.cache_policy.tinylfu import TinyLFUPolicy
+from kvmesh.cache_policy.base import EvictionPolicy, LRUPolicy
+from kvmesh.cache_policy.continuum import ContinuumPolicy
+from kvmesh.cache_policy.cost import CostPolicy
+from kvmesh.cache_policy.lfu import LFUPolicy
+from kvmesh.cache_policy.session import SessionPolicy
+from kvmesh.cache_policy.tinylfu import TinyLFUPolicy
 
 DEFAULT_POLICY = "cost"
 

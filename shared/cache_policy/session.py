@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from shared.cache_policy.base import BlockInfo
-from shared.cache_policy.pin_budget import DEFAULT_PIN_FRACTION
-from shared.sessions.book import SessionBook
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.pin_budget import DEFAULT_PIN_FRACTION
+from kvmesh.sessions.book import SessionBook
 
 
 @runtime_checkable

@@ -9,8 +9,8 @@ ordered by recency (the "main" LRU of W-TinyLFU).
 
 from __future__ import annotations
 
-from shared.cache_policy.base import BlockInfo
-from shared.cache_policy.history import DEFAULT_HISTORY_ENTRIES, AccessHistory
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.history import DEFAULT_HISTORY_ENTRIES, AccessHistory
 
 
 class TinyLFUPolicy:

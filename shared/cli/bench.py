@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from shared.config import BusSettings, ServiceSettings
+from kvmesh.config import BusSettings, ServiceSettings
 
 app = typer.Typer(help="Benchmarks: side by side, as ratios, one JSON object.", no_args_is_help=True)
 
@@ -28,7 +27,7 @@ def engine(
     threads: Annotated[int, typer.Option(help="torch threads (0 = default); 1 is steadier on a shared machine.")] = 0,
 ) -> None:
     """Prefill TTFT vs cached fraction, decode tokens/s vs HF transformers, KV bytes per token."""
-    from bench.engine import EngineBenchConfig, run_engine_bench
+    from kvmesh.bench.engine import EngineBenchConfig, run_engine_bench
 
     cfg = EngineBenchConfig(
         model_dir=model,
@@ -50,7 +49,7 @@ def tiers(
     restore: Annotated[bool, typer.Option(help="Run the small-model restore vs recompute comparison.")] = True,
 ) -> None:
     """L2 vs memcpy, L3 vs raw minio put/get, L3 prefix restore vs recompute (small preset)."""
-    from bench.tiers import TierBenchConfig, run_tiers_bench
+    from kvmesh.bench.tiers import TierBenchConfig, run_tiers_bench
 
     result = run_tiers_bench(TierBenchConfig(blocks=blocks, restore_tokens=restore_tokens, restore=restore))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
@@ -62,7 +61,7 @@ def bus(
     messages: Annotated[int, typer.Option(help="Messages per measurement.")] = 1000,
 ) -> None:
     """JetStream publish (sequential vs concurrent vs core NATS), consumer batch 1 vs 16, typed vs raw request."""
-    from bench.bus import BusBenchConfig, run_bus_bench
+    from kvmesh.bench.bus import BusBenchConfig, run_bus_bench
 
     result = run_bus_bench(BusBenchConfig(messages=messages))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
@@ -80,7 +79,7 @@ def serve(
     l3: Annotated[bool, typer.Option(help="Workers with the S3 tier (--no-l3: L2 only).")] = True,
 ) -> None:
     """Multi-turn agent workload through the OpenAI SDK on a stack of its own: cache on vs off."""
-    from bench.serve import ServeBenchConfig, run_serve_bench
+    from kvmesh.bench.serve import ServeBenchConfig, run_serve_bench
 
     cfg = ServeBenchConfig(model_dir=model, preset=preset, concurrency=concurrency, sessions=sessions, turns=turns,
                            max_tokens=max_tokens, l3=l3)
@@ -100,7 +99,7 @@ def agents(
     seed: Annotated[int, typer.Option(help="Seed of arrivals and tool latencies.")] = 0,
 ) -> None:
     """Agent sessions (SWE-agent tool loops) on a small L1: session-aware retention + prefetch vs LRU."""
-    from bench.agents import AgentsBenchConfig, run_agents_bench
+    from kvmesh.bench.agents import AgentsBenchConfig, run_agents_bench
 
     cfg = AgentsBenchConfig(sessions=sessions, max_steps=max_steps, l1_blocks=l1_blocks, l2_blocks=l2_blocks,
                             arrival_rate=arrival_rate, l3=l3, worker_policy=worker_policy, seed=seed)
@@ -119,13 +118,13 @@ def index(
 ) -> None:
     """Cache index: lookup p50/p99 in-process vs over NATS, ingest rate, restart (snapshot + replay) to ready."""
     if scale:
-        from bench.index_scale import ScaleConfig, run_index_scale
+        from kvmesh.bench.index_scale import ScaleConfig, run_index_scale
 
         sizes = tuple(int(b) for b in scale.split(",") if b.strip())
         result = run_index_scale(ScaleConfig(sizes=sizes, workers=scale_workers, chain=chain, lookups=lookups))
         typer.echo(json.dumps(result, indent=None if json_out else 2))
         return
-    from bench.index import IndexBenchConfig, run_index_bench
+    from kvmesh.bench.index import IndexBenchConfig, run_index_bench
 
     result = run_index_bench(IndexBenchConfig(blocks=blocks, lookups=lookups, chain=chain))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
@@ -141,8 +140,8 @@ def datapath(
     mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the modeled H200 recompute.")] = 0.5,
 ) -> None:
     """KV restores (L2, peer, L3, handoff) vs memcpy and modeled H200 recompute; L3 writes of a growing session."""
-    from bench.datapath import DatapathConfig, run_datapath_bench
-    from shared.sim.recompute_model import GEOMETRIES
+    from kvmesh.bench.datapath import DatapathConfig, run_datapath_bench
+    from kvmesh.sim.recompute_model import GEOMETRIES
 
     if geometry not in GEOMETRIES:
         raise typer.BadParameter(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")
@@ -161,7 +160,7 @@ def constrained(
     threads: Annotated[int, typer.Option(help="torch threads (0 = default).")] = 0,
 ) -> None:
     """Per-step decode cost with grammar masks vs without, same engine and prompts (overhead_b1, overhead_b8)."""
-    from bench.constrained import ConstrainedBenchConfig, run_constrained_bench
+    from kvmesh.bench.constrained import ConstrainedBenchConfig, run_constrained_bench
 
     cfg = ConstrainedBenchConfig(model_dir=model, preset=preset, decode_tokens=decode_tokens, repeats=repeats,
                                  batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()), threads=threads)
@@ -174,7 +173,7 @@ def grammar_libs(
     vocab_sizes: Annotated[str, typer.Option(help="Comma-separated BPE vocab sizes to train and compare on.")] = "1024,8192,32000",
 ) -> None:
     """llguidance vs xgrammar on kvmesh's tokenizers: compile, per-token mask and advance."""
-    from bench.grammar_libs import run_grammar_libs_bench
+    from kvmesh.bench.grammar_libs import run_grammar_libs_bench
 
     result = run_grammar_libs_bench(tuple(int(v) for v in vocab_sizes.split(",") if v.strip()))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
@@ -187,7 +186,7 @@ def live_belady(
     records: Annotated[int, typer.Option(min=100, help="Records sent through a real TRAFFIC stream (upkeep).")] = 20_000,
 ) -> None:
     """Live Belady's CPU share of one core (bus upkeep + periodic recompute) and its memory."""
-    from bench.live_belady import LiveBeladyBenchConfig, run_live_belady_bench
+    from kvmesh.bench.live_belady import LiveBeladyBenchConfig, run_live_belady_bench
 
     typer.echo(json.dumps(run_live_belady_bench(LiveBeladyBenchConfig(rate=rate, records=records)),
                           indent=None if json_out else 2))
@@ -208,7 +207,7 @@ def fleet(
     emulator_nice: Annotated[int, typer.Option(min=0, max=19, help="Nice of the emulated fleet once the services are up (0: equal priority).")] = 10,
 ) -> None:
     """N emulated workers' heartbeats, KV events and commands vs the real index, eviction and router."""
-    from bench.fleet import DEFAULT_TRACE, FleetBenchConfig, run_fleet_bench
+    from kvmesh.bench.fleet import DEFAULT_TRACE, FleetBenchConfig, run_fleet_bench
 
     cfg = FleetBenchConfig(workers=tuple(int(w) for w in workers.split(",") if w.strip()), trace=trace or DEFAULT_TRACE,
                            requests=requests, speed=speed, lookup_rate=lookup_rate, l1_blocks=l1_blocks, churn=churn,
@@ -225,7 +224,10 @@ def heartbeat_watch(
     window_s: Annotated[float, typer.Option(min=0.5, help="Seconds measured per layer.")] = 8.0,
 ) -> None:
     """CPU per heartbeat in a watching process: core subscription, ordered consumer, KV watcher, watch_workers."""
-    from bench.heartbeat_watch import HeartbeatWatchBenchConfig, run_heartbeat_watch_bench
+    from kvmesh.bench.heartbeat_watch import (
+        HeartbeatWatchBenchConfig,
+        run_heartbeat_watch_bench,
+    )
 
     cfg = HeartbeatWatchBenchConfig(workers=workers, period_s=period_s, window_s=window_s)
     typer.echo(json.dumps(run_heartbeat_watch_bench(cfg), indent=None if json_out else 2))
@@ -237,7 +239,7 @@ def token_events(
     tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per configuration.")] = 2000,
 ) -> None:
     """NATS disk writes per generated token: token events in a file stream (before), a memory stream, core NATS (now)."""
-    from bench.token_events import TokenEventsBenchConfig, run_token_events_bench
+    from kvmesh.bench.token_events import TokenEventsBenchConfig, run_token_events_bench
 
     typer.echo(json.dumps(run_token_events_bench(TokenEventsBenchConfig(tokens=tokens)), indent=None if json_out else 2))
 
@@ -253,7 +255,7 @@ def l3_gc(
     object_bytes: Annotated[int, typer.Option(min=0, help="Body size of each object (a pass reads none).")] = 0,
 ) -> None:
     """One L3 GC pass on a generated weed bucket: a HEAD per object (old) vs listing-only slices (requests, s, RSS)."""
-    from bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
+    from kvmesh.bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
 
     cfg = L3GCBenchConfig(objects=tuple(int(n) for n in objects.split(",") if n.strip()), keys_per_pass=keys_per_pass,
                           old_max_objects=old_max_objects, fill_procs=fill_procs, put_threads=put_threads,
@@ -272,8 +274,9 @@ def soak(
     png: Annotated[Path | None, typer.Option(help="Write a plot of fds and RSS over time here.")] = None,
 ) -> None:
     """Concurrent agent sessions through `kvmesh up` for a long time: fds, RSS, threads per process; errors, DLQ."""
-    from bench.soak import SoakConfig, run_soak
+    from kvmesh.bench.soak import SoakConfig, run_soak
 
     cfg = SoakConfig(duration_s=duration_s, sessions=sessions, l2_blocks=l2_blocks, sample_every_s=sample_every_s,
                      warmup_s=warmup_s, png=png)
     typer.echo(json.dumps(run_soak(cfg), indent=None if json_out else 2))
+

@@ -20,7 +20,7 @@ app = typer.Typer(help="Chaos scenarios: inject faults into a local stack and ch
 @app.command("list")
 def list_scenarios() -> None:
     """Name every scenario and what it injects."""
-    from chaos.scenarios import SCENARIOS
+    from kvmesh.chaos.scenarios import SCENARIOS
 
     for scenario in SCENARIOS.values():
         typer.echo(f"{scenario.name:18} {scenario.doc}")
@@ -38,11 +38,11 @@ def run(
     """Start a local stack, run the scenarios in order, report, stop the stack."""
     import tempfile
 
-    from chaos.load import Load
-    from chaos.scenarios import SCENARIOS
-    from chaos.scenarios import run as run_scenario
-    from chaos.stack import API_KEY, ChaosStack
-    from shared.engine.presets import write_preset
+    from kvmesh.chaos.load import Load
+    from kvmesh.chaos.scenarios import SCENARIOS
+    from kvmesh.chaos.scenarios import run as run_scenario
+    from kvmesh.chaos.stack import API_KEY, ChaosStack
+    from kvmesh.engine.presets import write_preset
 
     chosen = names or list(SCENARIOS)
     unknown = [n for n in chosen if n not in SCENARIOS]

@@ -57,10 +57,10 @@ def generate(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
-    from shared.config import load_settings
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.config import load_settings
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
 
     settings = load_settings().engine.model_copy(update={"block_size": block_size, "enable_prefix_caching": prefix_cache})
     loaded = load_model(model)

@@ -35,10 +35,10 @@ def convert(
     adapter: Annotated[str, typer.Option(help="Adapter name the blocks were hashed with.")] = "",
 ) -> None:
     """Rewrite a KV file in another layout, dtype and/or block size."""
-    from shared.engine.block_hash import HashKeys
-    from shared.kvconvert.errors import IncompatibleKV
-    from shared.kvconvert.safetensors_io import export_safetensors, import_safetensors
-    from shared.kvconvert.transform import convert_dtype, convert_layout, rechunk
+    from kvmesh.engine.block_hash import HashKeys
+    from kvmesh.kvconvert.errors import IncompatibleKV
+    from kvmesh.kvconvert.safetensors_io import export_safetensors, import_safetensors
+    from kvmesh.kvconvert.transform import convert_dtype, convert_layout, rechunk
 
     try:
         blocks = import_safetensors(src)
@@ -68,13 +68,13 @@ def export_cmd(
     tenant_salt: SaltOpt = "",
 ) -> None:
     """Prefill each prompt with the in-process engine and write the full blocks' KV."""
-    from shared.cli.generate import read_prompts_file
-    from shared.config import load_settings
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
-    from shared.kvconvert.safetensors_io import export_safetensors
-    from shared.tiers.block_format import StoredBlock, header_for
+    from kvmesh.cli.generate import read_prompts_file
+    from kvmesh.config import load_settings
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
+    from kvmesh.kvconvert.safetensors_io import export_safetensors
+    from kvmesh.tiers.block_format import StoredBlock, header_for
 
     try:
         entries = read_prompts_file(prompts_file)
@@ -103,20 +103,20 @@ def import_cmd(
     endpoint: Annotated[str | None, typer.Option(help="S3 host:port; default from settings / the local stack.")] = None,
 ) -> None:
     """Upload a KV file's chains into L3 (idempotent: chunks already there are skipped)."""
-    from shared.config import load_settings
-    from shared.kvconvert.errors import IncompatibleKV
-    from shared.kvconvert.safetensors_io import import_safetensors
-    from shared.kvconvert.transform import convert_layout, split_chains
-    from shared.stack.credentials import read_credentials
-    from shared.tiers.block_format import encode_block
-    from shared.tiers.l3_store import S3_DOWN_ERRORS, L3Store, L3Unavailable
-    from shared.tiers.s3_client import fast_fail_client
+    from kvmesh.config import load_settings
+    from kvmesh.kvconvert.errors import IncompatibleKV
+    from kvmesh.kvconvert.safetensors_io import import_safetensors
+    from kvmesh.kvconvert.transform import convert_layout, split_chains
+    from kvmesh.stack.credentials import read_credentials
+    from kvmesh.tiers.block_format import encode_block
+    from kvmesh.tiers.l3_store import S3_DOWN_ERRORS, L3Store, L3Unavailable
+    from kvmesh.tiers.s3_client import fast_fail_client
 
     settings = load_settings()
     try:
         fingerprint = None
         if model is not None:
-            from shared.engine.loader import load_model
+            from kvmesh.engine.loader import load_model
 
             fingerprint = load_model(model).fingerprint
         blocks = import_safetensors(src, fingerprint)

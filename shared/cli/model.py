@@ -12,7 +12,7 @@ app = typer.Typer(help="Checkpoints: import a GGUF file, write a synthetic one, 
 
 
 def _describe(model_dir: Path) -> dict:
-    from shared.engine.loader import load_model
+    from kvmesh.engine.loader import load_model
 
     loaded = load_model(model_dir)
     cfg = loaded.config
@@ -42,15 +42,15 @@ def init(
     shards: Annotated[int, typer.Option(help="Split weights into N safetensors shards.")] = 1,
 ) -> None:
     """Write an HF-format checkpoint (imported from --gguf, or a seeded synthetic preset); print its summary as JSON."""
-    from shared.engine.checkpoint_error import CheckpointError
+    from kvmesh.engine.checkpoint_error import CheckpointError
 
     try:
         if gguf is not None:
-            from shared.engine.gguf_import import import_gguf
+            from kvmesh.engine.gguf_import import import_gguf
 
             import_gguf(gguf, out, dtype)
         else:
-            from shared.engine.presets import write_preset
+            from kvmesh.engine.presets import write_preset
 
             write_preset(out, preset, arch, dtype, seed, num_shards=shards)
     except CheckpointError as exc:
@@ -64,7 +64,7 @@ def init(
 @app.command()
 def info(model_dir: Annotated[Path, typer.Argument(help="HF-format checkpoint dir.")]) -> None:
     """Load a checkpoint dir and print its geometry and fingerprint as JSON."""
-    from shared.engine.checkpoint_error import CheckpointError
+    from kvmesh.engine.checkpoint_error import CheckpointError
 
     try:
         typer.echo(json.dumps(_describe(model_dir)))

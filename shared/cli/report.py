@@ -31,15 +31,15 @@ def parse_duration(text: str) -> float:
 def _records(trace: Path | None, state_dir: Path, since: float | None):
     import asyncio
 
-    from shared.report.records import RecordsError, load_records
-    from shared.report.records import since as keep_since
+    from kvmesh.report.records import RecordsError, load_records
+    from kvmesh.report.records import since as keep_since
 
     if trace is not None:
         try:
             return keep_since(load_records(trace), since)
         except RecordsError as exc:
             raise typer.BadParameter(str(exc)) from None
-    from shared.traffic.stack_access import NoStack, read_stack_records
+    from kvmesh.traffic.stack_access import NoStack, read_stack_records
 
     try:
         return asyncio.run(read_stack_records(state_dir, since))
@@ -105,10 +105,10 @@ def cost(
         "--state-dir", help="The stack's state dir (default: settings state_dir).")] = None,
 ) -> None:
     """Price the served traffic on hosted APIs, a self-built engine and kvmesh, and recommend one."""
-    from shared.config import load_settings
-    from shared.report.cost_report import ReportOptions, build_report, default_capacity
-    from shared.report.measure import measure
-    from shared.report.prices import PriceFileError, load_prices
+    from kvmesh.config import load_settings
+    from kvmesh.report.cost_report import ReportOptions, build_report, default_capacity
+    from kvmesh.report.measure import measure
+    from kvmesh.report.prices import PriceFileError, load_prices
 
     settings = load_settings()
     start = None if since is None else time.time() - parse_duration(since)
@@ -124,7 +124,7 @@ def cost(
     capacity = capacity_blocks or default_capacity(per_worker, measure(records).workers)
     report = build_report(records, book, ReportOptions(capacity, gpu_hour_usd, ttft_slo_ms, hit_rate_target, window_s))
     if html is not None:
-        from shared.report.html import write_html
+        from kvmesh.report.html import write_html
 
         report["html"] = [str(p) for p in write_html(report, html)]
     if as_json:

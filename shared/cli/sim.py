@@ -19,7 +19,7 @@ POLICY_HELP = "Policy to run (repeatable): default, session, cost, lru, lfu, tin
 
 
 def _capacity(data, blocks: int | None, fraction: float | None, what: str, required: bool) -> int:
-    from shared.sim.run import capacity_for
+    from kvmesh.sim.run import capacity_for
 
     if blocks is not None and fraction is not None:
         raise typer.BadParameter(f"give at most one of --{what}-blocks or --{what}-fraction")
@@ -58,14 +58,24 @@ def sim(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Replay TRACE and print each policy's prefix hit rate per tier and its modeled TTFT."""
+    from kvmesh.sim.replay import ReplayOptions, summarize
+    from kvmesh.sim.run import (
+        L1_SWEEP_FRACTIONS,
+        default_fractions,
+        resolve_names,
+        run_all_tiers,
+    )
+    from kvmesh.sim.run import sweep as run_sweep
+    from kvmesh.sim.trace import load_trace
+    from kvmesh.sim.ttft import DEFAULT_L2_GBPS, TTFTModel
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from shared.sim.replay import ReplayOptions, summarize
-    from shared.sim.run import L1_SWEEP_FRACTIONS, default_fractions, resolve_names, run_all_tiers
-    from shared.sim.run import sweep as run_sweep
-    from shared.sim.trace import load_trace
-    from shared.sim.ttft import DEFAULT_L2_GBPS, TTFTModel
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     try:
         names = resolve_names(policy)
@@ -97,7 +107,7 @@ def sim(
                                options=base)
 
     if plot is not None and curves is not None:
-        from shared.sim.plot import plot_sweep
+        from kvmesh.sim.plot import plot_sweep
 
         plot_sweep(fractions, curves, data.unique_blocks, f"{data.name}: L1 prefix hit rate vs L1 capacity", plot)
         err.print(f"plot written to {plot}")

@@ -1,7 +1,7 @@
 """`kvmesh up`, `kvmesh status`, `kvmesh down`: the local stack from one command line.
 
 Known failures print one line on stderr and exit with a distinct code
-(shared.stack.errors.ExitCode); stack modules are imported inside the
+(kvmesh.stack.errors.ExitCode); stack modules are imported inside the
 commands so `kvmesh --help` stays fast.
 """
 
@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from shared.stack.errors import EXIT_CODES_HELP, ExitCode, StackError
+from kvmesh.stack.errors import EXIT_CODES_HELP, ExitCode, StackError
 
 StateDir = Annotated[
     Path | None, typer.Option("--state-dir", help="Default: settings state_dir (KVMESH_STATE_DIR, .kvmesh).")
@@ -32,9 +31,8 @@ def _fail(command: str, code: ExitCode, message: str) -> typer.Exit:
 
 
 def _settings(command: str):
+    from kvmesh.config import load_settings
     from pydantic import ValidationError
-
-    from shared.config import load_settings
 
     try:
         return load_settings()
@@ -82,8 +80,8 @@ def up(
 
     KVMESH_NATS_URL / KVMESH_S3_ENDPOINT (+ _ACCESS_KEY, _SECRET_KEY) use those servers instead.
     """
-    from shared.stack.up import UpOptions
-    from shared.stack.up import up as stack_up
+    from kvmesh.stack.up import UpOptions
+    from kvmesh.stack.up import up as stack_up
 
     settings = _settings("up")
     if timeout is not None:
@@ -113,7 +111,7 @@ def status(
     state_dir: StateDir = None,
 ) -> None:
     """Report each process (pid, alive, rss, uptime) and endpoint (reachable, ready); exit 0 only if all ready."""
-    from shared.stack.status import stack_status
+    from kvmesh.stack.status import stack_status
 
     settings = _settings("status")
     st = stack_status(settings, state_dir or settings.state_dir)
@@ -144,7 +142,7 @@ def down(
     state_dir: StateDir = None,
 ) -> None:
     """Stop services, then NATS and S3 (SIGTERM, SIGKILL after the grace period); data stays for the next `up`."""
-    from shared.stack.status import stack_down
+    from kvmesh.stack.status import stack_down
 
     settings = _settings("down")
     target = (state_dir or settings.state_dir).resolve()

@@ -40,10 +40,7 @@ def from_trajectories(
     ] = True,
 ) -> None:
     """Turn DIRECTORY's trajectories into a Mooncake-format trace with session_id and tool_calls."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from shared.sim.trajectories import (
+    from kvmesh.sim.trajectories import (
         SessionsConfig,
         Timing,
         agent_preset_tokenizer,
@@ -51,6 +48,14 @@ def from_trajectories(
         load_trajectories,
         summarize,
         write_trace,
+    )
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
     )
 
     if rate <= 0 or output_tokens_per_s <= 0:
@@ -91,10 +96,10 @@ def record(
     import asyncio
     import time
 
-    from shared.cli.report import parse_duration
-    from shared.config import load_settings
-    from shared.traffic.stack_access import NoStack, read_stack_records
-    from shared.traffic.trace_lines import write_trace
+    from kvmesh.cli.report import parse_duration
+    from kvmesh.config import load_settings
+    from kvmesh.traffic.stack_access import NoStack, read_stack_records
+    from kvmesh.traffic.trace_lines import write_trace
 
     start = None if since is None else time.time() - parse_duration(since)
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from shared.config import ConstraintSettings
+from kvmesh.config import ConstraintSettings
 
 KEY_PATTERN = "^[A-Za-z_][A-Za-z0-9_]{0,15}$"  # the keys a free-form object may get
 _SCALARS = ("string", "number", "integer", "boolean", "null")

@@ -6,9 +6,9 @@ will build it (same bounds), only without a vocabulary.
 
 from __future__ import annotations
 
-from shared.config import ConstraintSettings
-from shared.constrain.grammar import ConstraintError, grammar_source
-from shared.protocol.serving import Constraint
+from kvmesh.config import ConstraintSettings
+from kvmesh.constrain.grammar import ConstraintError, grammar_source
+from kvmesh.protocol.serving import Constraint
 
 __all__ = ["ConstraintError", "validate"]
 

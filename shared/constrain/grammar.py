@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.config import ConstraintSettings
-from shared.constrain.bounds import bound_schema
-from shared.protocol.serving import Constraint
-from shared.toolcalls.formats import ToolFormat, UnknownToolFormat, get_format
+from kvmesh.config import ConstraintSettings
+from kvmesh.constrain.bounds import bound_schema
+from kvmesh.protocol.serving import Constraint
+from kvmesh.toolcalls.formats import ToolFormat, UnknownToolFormat, get_format
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from shared.constrain.matcher import Matcher
+from kvmesh.constrain.matcher import Matcher
 
 
 @dataclass(slots=True)

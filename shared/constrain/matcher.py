@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from shared.config import ConstraintSettings
-from shared.constrain.grammar import ConstraintError, grammar_source
-from shared.protocol.serving import Constraint
+from kvmesh.config import ConstraintSettings
+from kvmesh.constrain.grammar import ConstraintError, grammar_source
+from kvmesh.protocol.serving import Constraint
 
 
 class Matcher:

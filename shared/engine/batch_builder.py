@@ -8,9 +8,8 @@ Python list.
 from __future__ import annotations
 
 import torch
-
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.scheduler import ScheduledSeq
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.scheduler import ScheduledSeq
 
 
 def build_forward_batch(scheduled: list[ScheduledSeq], block_size: int, device: str = "cpu") -> ForwardBatch:

@@ -18,12 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels.block_copy import HostCopy, SideStreamCopier, gather_blocks, scatter_blocks
-from shared.engine.block_hash import BlockHash, HashKeys, hash_block
-from shared.engine.block_pool import Block
-from shared.engine.kv_block import KVBlock
-from shared.engine.prefix_cache import PrefixCache
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block
+from kvmesh.engine.block_pool import Block
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.kernels.block_copy import (
+    HostCopy,
+    SideStreamCopier,
+    gather_blocks,
+    scatter_blocks,
+)
 
 
 @dataclass(slots=True)

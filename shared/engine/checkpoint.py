@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvmesh.engine.checkpoint_error import CheckpointError
 from safetensors import SafetensorError, safe_open
-
-from shared.engine.checkpoint_error import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import torch
+from kvmesh.engine.checkpoint import INDEX_FILE, SINGLE_FILE
 from safetensors.torch import save_file
-
-from shared.engine.checkpoint import INDEX_FILE, SINGLE_FILE
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from shared.config import ConstraintSettings
-from shared.constrain.masks import MaskFiller, PendingMasks
-from shared.constrain.matcher import GrammarCompiler, Matcher
-from shared.engine.loader import LoadedModel
-from shared.engine.request import Request
+from kvmesh.config import ConstraintSettings
+from kvmesh.constrain.masks import MaskFiller, PendingMasks
+from kvmesh.constrain.matcher import GrammarCompiler, Matcher
+from kvmesh.engine.loader import LoadedModel
+from kvmesh.engine.request import Request
 
 
 class EngineConstraints:

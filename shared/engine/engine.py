@@ -16,25 +16,29 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-from kernels.block_copy import SideStreamCopier
-from shared.cache_policy.base import EvictionPolicy
-from shared.cache_policy.registry import get_policy
-from shared.config import EngineSettings
-from shared.engine.batch_builder import build_forward_batch
-from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
-from shared.engine.block_pool import BlockPool
-from shared.engine.block_transfer import ImportResult, PendingExport, import_chain, start_export
-from shared.engine.constraints import EngineConstraints
-from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.kv_block import KVBlock
-from shared.engine.leases import LeaseSet
-from shared.engine.loader import LoadedModel
-from shared.engine.pins import PinSet
-from shared.engine.prefix_cache import KVEventListener, PrefixCache
-from shared.engine.request import Request, RequestOutput
-from shared.engine.sampling import SamplingParams, make_generator, sample, skip_draws
-from shared.engine.scheduler import ScheduledSeq, Scheduler
+from kvmesh.cache_policy.base import EvictionPolicy
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.config import EngineSettings
+from kvmesh.engine.batch_builder import build_forward_batch
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_blocks
+from kvmesh.engine.block_pool import BlockPool
+from kvmesh.engine.block_transfer import (
+    ImportResult,
+    PendingExport,
+    import_chain,
+    start_export,
+)
+from kvmesh.engine.constraints import EngineConstraints
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.engine.leases import LeaseSet
+from kvmesh.engine.loader import LoadedModel
+from kvmesh.engine.pins import PinSet
+from kvmesh.engine.prefix_cache import KVEventListener, PrefixCache
+from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.sampling import SamplingParams, make_generator, sample, skip_draws
+from kvmesh.engine.scheduler import ScheduledSeq, Scheduler
+from kvmesh.kernels.block_copy import SideStreamCopier
 
 
 class Engine:

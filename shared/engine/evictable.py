@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
-from shared.cache_policy.base import BlockInfo, EvictionPolicy, LRUPolicy
+from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy, LRUPolicy
 
 
 class Evictable(Protocol):

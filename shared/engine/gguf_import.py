@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from shared.engine.checkpoint_error import CheckpointError
-from shared.engine.checkpoint_writer import save_weights, write_json
-from shared.engine.gguf_tokenizer import GGUFVocab, build_tokenizer
-from shared.engine.model_config import resolve_dtype
+from kvmesh.engine.checkpoint_error import CheckpointError
+from kvmesh.engine.checkpoint_writer import save_weights, write_json
+from kvmesh.engine.gguf_tokenizer import GGUFVocab, build_tokenizer
+from kvmesh.engine.model_config import resolve_dtype
 
 IMPORT_FILE = "gguf_import.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

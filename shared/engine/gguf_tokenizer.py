@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.engine.checkpoint_error import CheckpointError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-
-from shared.engine.checkpoint_error import CheckpointError
 
 CONTROL, USER_DEFINED = 3, 4  # GGUF token types that are matched as whole added tokens
 

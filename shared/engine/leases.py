@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.engine.block_hash import BlockHash
-from shared.engine.block_pool import Block
-from shared.engine.prefix_cache import PrefixCache
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_pool import Block
+from kvmesh.engine.prefix_cache import PrefixCache
 
 
 class LeaseSet:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from shared.engine.checkpoint import read_json, read_weights
-from shared.engine.model import PagedCausalLM
-from shared.engine.model_config import ModelConfig, parse_model_config, token_ids
-from shared.engine.tokenizer import Tokenizer
+from kvmesh.engine.checkpoint import read_json, read_weights
+from kvmesh.engine.model import PagedCausalLM
+from kvmesh.engine.model_config import ModelConfig, parse_model_config, token_ids
+from kvmesh.engine.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.model_config import ModelConfig
+from kvmesh.engine.rope_tables import rope_tables
+from kvmesh.kernels.kv_write import write_kv
+from kvmesh.kernels.paged_attention import paged_attention
+from kvmesh.kernels.rope import apply_rope
 from torch import nn
-
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
-from kernels.rope import apply_rope
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.model_config import ModelConfig
-from shared.engine.rope_tables import rope_tables
 
 
 class RMSNorm(nn.Module):

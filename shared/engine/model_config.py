@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from shared.engine.checkpoint_error import CheckpointError
+from kvmesh.engine.checkpoint_error import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -27,10 +27,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from shared.cache_policy.pin_ledger import PinGrant, PinLedger
-from shared.engine.block_hash import BlockHash
-from shared.engine.block_pool import Block
-from shared.engine.prefix_cache import PrefixCache
+from kvmesh.cache_policy.pin_ledger import PinGrant, PinLedger
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_pool import Block
+from kvmesh.engine.prefix_cache import PrefixCache
 
 
 class PinSet:

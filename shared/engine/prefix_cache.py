@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.cache_policy.base import BlockInfo, EvictionPolicy, LRUPolicy
-from shared.engine.block_hash import BlockHash
-from shared.engine.block_pool import Block, BlockPool
-from shared.engine.evictable import make_evictable
+from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy, LRUPolicy
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_pool import Block, BlockPool
+from kvmesh.engine.evictable import make_evictable
 
 
 class KVEventListener(Protocol):

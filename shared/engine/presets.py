@@ -30,11 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from shared.engine.checkpoint_writer import save_weights, write_json
-from shared.engine.model import PagedCausalLM
-from shared.engine.model_config import ModelConfig, parse_model_config, resolve_dtype
-from shared.engine.synthetic_tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, train_tokenizer
+from kvmesh.engine.checkpoint_writer import save_weights, write_json
+from kvmesh.engine.model import PagedCausalLM
+from kvmesh.engine.model_config import ModelConfig, parse_model_config, resolve_dtype
+from kvmesh.engine.synthetic_tokenizer import (
+    BOS,
+    EOS,
+    EOT,
+    LLAMA3_CHAT_TEMPLATE,
+    train_tokenizer,
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 LOGIT_STD = 4.0

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
-
-from shared.engine.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
-from shared.engine.block_pool import Block
-from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.sampling import SamplingParams
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
+from kvmesh.engine.block_pool import Block
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from shared.constrain.matcher import Matcher
+    from kvmesh.constrain.matcher import Matcher
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from shared.engine.model_config import ModelConfig
+from kvmesh.engine.model_config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-4
 
 
@@ -29,7 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     detokenize: bool = True  # False: token ids only (no text, no stop strings), less work per token
-    # A shared.protocol.serving.Constraint as JSON (hashable; the grammar cache's key): the engine masks
+    # A kvmesh.protocol.serving.Constraint as JSON (hashable; the grammar cache's key): the engine masks
     # every step to its grammar (shared/constrain/) and ends the request "stop" when the grammar is complete.
     constraint: str | None = None
 

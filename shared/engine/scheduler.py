@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shared.config import EngineSettings
-from shared.engine.block_hash import BlockHash
-from shared.engine.block_pool import Block
-from shared.engine.leases import LeaseSet
-from shared.engine.pins import PinSet
-from shared.engine.prefix_cache import PrefixCache
-from shared.engine.request import Request, RequestStatus
+from kvmesh.config import EngineSettings
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_pool import Block
+from kvmesh.engine.leases import LeaseSet
+from kvmesh.engine.pins import PinSet
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

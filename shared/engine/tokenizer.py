@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmesh.engine.chat_template import ChatTemplate, ChatTemplateError
+from kvmesh.engine.checkpoint import read_json
+from kvmesh.engine.checkpoint_error import CheckpointError
 from tokenizers import Tokenizer as HFTokenizer
-
-from shared.engine.chat_template import ChatTemplate, ChatTemplateError
-from shared.engine.checkpoint import read_json
-from shared.engine.checkpoint_error import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

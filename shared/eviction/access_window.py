@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.protocol.traffic import TrafficRecord
-from shared.sim.trace import Trace, TraceRequest
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.sim.trace import Trace, TraceRequest
 
 KEY_BYTES = 8
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import xxhash
-
-from shared.cache_policy.base import EvictionPolicy
-from shared.config import EvictionSettings
-from shared.eviction.decisions import Watermarks, plan_demotion
-from shared.eviction.messages import Demote, WorkerCommand
-from shared.eviction.occupancy import OccupancyView
-from shared.eviction.pins import PinTable
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.base import EvictionPolicy
+from kvmesh.config import EvictionSettings
+from kvmesh.eviction.decisions import Watermarks, plan_demotion
+from kvmesh.eviction.messages import Demote, WorkerCommand
+from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.eviction.pins import PinTable
+from kvmesh.tiers.miss import Tier
 
 
 @dataclass(slots=True)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmesh.bus.request import RequestError, request
+from kvmesh.eviction.messages import PinReply, PinRequest
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
 from nats.aio.client import Client as NATS
-
-from shared.bus.request import RequestError, request
-from shared.eviction.messages import PinReply, PinRequest
-from shared.log import get_logger
-from shared.protocol import subjects
 
 log = get_logger(__name__)
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from shared.cache_policy.base import BlockInfo, EvictionPolicy
+from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy
 
 
 @dataclass(slots=True, frozen=True)

@@ -26,13 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy
+from kvmesh.eviction.pins import PinTable
+from kvmesh.tiers.l3_store import ABSENT_CODES, DAMAGED, L3Store
+from kvmesh.tiers.miss import Miss
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
-
-from shared.cache_policy.base import BlockInfo, EvictionPolicy
-from shared.eviction.pins import PinTable
-from shared.tiers.l3_store import ABSENT_CODES, DAMAGED, L3Store
-from shared.tiers.miss import Miss
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,10 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from kvmesh.eviction.l3_gc import BucketTotals, L3Object
+from kvmesh.tiers.l3_store import ABSENT_CODES, L3Store
 from minio.error import S3Error
-
-from shared.eviction.l3_gc import BucketTotals, L3Object
-from shared.tiers.l3_store import ABSENT_CODES, L3Store
 
 
 @dataclass(slots=True)

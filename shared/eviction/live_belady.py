@@ -39,22 +39,21 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
+from kvmesh.aio import cancel_and_wait
+from kvmesh.config import LiveBeladySettings
+from kvmesh.eviction.access_window import Access, AccessWindow, as_trace
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import TRAFFIC
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.service.watch import Change, follow_workers
+from kvmesh.sim.run import run_one
+from kvmesh.traffic.reader import iso_utc
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry, Gauge
-
-from shared.aio import cancel_and_wait
-from shared.config import LiveBeladySettings
-from shared.eviction.access_window import Access, AccessWindow, as_trace
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.messages import Role
-from shared.protocol.streams import TRAFFIC
-from shared.protocol.traffic import TrafficRecord
-from shared.service.watch import Change, follow_workers
-from shared.sim.run import run_one
-from shared.traffic.reader import iso_utc
 
 log = get_logger(__name__)
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from kvmesh.kv_events.events import HexHash
+from kvmesh.protocol.base import Message
+from kvmesh.tiers.miss import Tier
 from pydantic import Field
-
-from shared.kv_events.events import HexHash
-from shared.protocol.base import Message
-from shared.tiers.miss import Tier
 
 
 class Demote(Message):

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvmesh.eviction.sessions import RetentionCounts
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
-
-from shared.eviction.sessions import RetentionCounts
 
 # Seconds between a session's predicted and actual return: tool calls land in the first buckets.
 _ERROR_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)

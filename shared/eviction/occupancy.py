@@ -17,9 +17,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.cache_policy.base import BlockInfo
-from shared.kv_events.events import BlockMoved, BlockRemoved, BlockStored, KVEventBatch, WorkerCleared
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.kv_events.events import (
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    WorkerCleared,
+)
+from kvmesh.tiers.miss import Tier
 
 WORKER_TIERS = (Tier.L1, Tier.L2)
 

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.cache_policy.pin_ledger import PinGrant, PinLedger
-from shared.config import EvictionSettings, PinQuotaSettings
+from kvmesh.cache_policy.pin_ledger import PinGrant, PinLedger
+from kvmesh.config import EvictionSettings, PinQuotaSettings
 
 
 def caps_for(eviction: EvictionSettings, pins: PinQuotaSettings) -> tuple[int | None, int]:

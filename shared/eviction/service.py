@@ -29,37 +29,51 @@ import time
 from contextlib import suppress
 from datetime import UTC, datetime
 
+from kvmesh.aio import cancel_and_wait
+from kvmesh.bus.publish import Publisher
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.cache_policy.session import SessionAware
+from kvmesh.config import EvictionSettings
+from kvmesh.eviction.advisor import Advisor
+from kvmesh.eviction.l3_gc import (
+    GCLimits,
+    GCPlan,
+    L3Object,
+    apply_gc,
+    chunk_pinned,
+    plan_gc,
+    scrub,
+)
+from kvmesh.eviction.l3_sweep import L3Sweep, list_chunks
+from kvmesh.eviction.messages import (
+    Demote,
+    PinReply,
+    PinRequest,
+    Retain,
+    Warm,
+    WorkerCommand,
+)
+from kvmesh.eviction.metrics import EvictionMetrics
+from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.eviction.pins import PinTable
+from kvmesh.eviction.sessions import SessionRetention
+from kvmesh.eviction.warmup import plan_warm
+from kvmesh.kv_events.events import KVEventBatch
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.protocol.streams import KV_EVENTS, SESSIONS
+from kvmesh.service.watch import Change, follow_workers
+from kvmesh.sessions.book import BookConfig, SessionBook
+from kvmesh.sessions.events import SessionEvent
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, Tier
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import CollectorRegistry
-
-from shared.aio import cancel_and_wait
-from shared.bus.publish import Publisher
-from shared.cache_policy.registry import get_policy
-from shared.config import EvictionSettings
-from shared.eviction.advisor import Advisor
-from shared.eviction.l3_gc import GCLimits, GCPlan, L3Object, apply_gc, chunk_pinned, plan_gc, scrub
-from shared.eviction.l3_sweep import L3Sweep, list_chunks
-from shared.eviction.messages import Demote, PinReply, PinRequest, Retain, Warm, WorkerCommand
-from shared.eviction.metrics import EvictionMetrics
-from shared.eviction.occupancy import OccupancyView
-from shared.kv_events.publisher import KVEventPublisher
-from shared.eviction.pins import PinTable
-from shared.eviction.sessions import SessionRetention
-from shared.eviction.warmup import plan_warm
-from shared.kv_events.events import KVEventBatch
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.streams import KV_EVENTS, SESSIONS
-from shared.cache_policy.session import SessionAware
-from shared.sessions.book import BookConfig, SessionBook
-from shared.sessions.events import SessionEvent
-from shared.service.watch import Change, follow_workers
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss, Tier
 
 log = get_logger(__name__)
 

@@ -49,12 +49,12 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.config import SessionRetentionSettings
-from shared.eviction.messages import Demote, Retain, WorkerCommand
-from shared.eviction.occupancy import OccupancyView
-from shared.sessions.book import SessionBook
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.tiers.miss import Tier
+from kvmesh.config import SessionRetentionSettings
+from kvmesh.eviction.messages import Demote, Retain, WorkerCommand
+from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.sessions.book import SessionBook
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.tiers.miss import Tier
 
 
 @dataclass(slots=True)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from shared.eviction.live_belady import LiveBelady
-from shared.eviction.messages import PinRequest
-from shared.eviction.pins import PinTable, kv_block_bytes
-from shared.eviction.service import EvictionService
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol import subjects
-from shared.service.runner import ServiceContext
-from shared.tiers.factory import build_l3_store
-from shared.tiers.miss import MissCounters
+from kvmesh.eviction.live_belady import LiveBelady
+from kvmesh.eviction.messages import PinRequest
+from kvmesh.eviction.pins import PinTable, kv_block_bytes
+from kvmesh.eviction.service import EvictionService
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol import subjects
+from kvmesh.service.runner import ServiceContext
+from kvmesh.tiers.factory import build_l3_store
+from kvmesh.tiers.miss import MissCounters
 
 
 async def setup(ctx: ServiceContext) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from shared.cache_policy.base import BlockInfo, EvictionPolicy
-from shared.eviction.l3_gc import L3Object
+from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy
+from kvmesh.eviction.l3_gc import L3Object
 
 
 def plan_warm(objects: Iterable[L3Object], policy: EvictionPolicy, now: float, limit: int,

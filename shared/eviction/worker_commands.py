@@ -24,19 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from kvmesh.engine.engine import Engine
+from kvmesh.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import COMMANDS, ConsumerSpec, worker_consumer
+from kvmesh.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, Source
+from kvmesh.serving.prefetch import retain_chain
+from kvmesh.serving.worker_tiers import namespace_for
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, Tier
 from nats.aio.msg import Msg
-
-from shared.engine.engine import Engine
-from shared.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol import subjects
-from shared.protocol.streams import COMMANDS, ConsumerSpec, worker_consumer
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, Source
-from shared.serving.prefetch import retain_chain
-from shared.serving.worker_tiers import namespace_for
-from shared.tiers.miss import Miss, Tier
 
 T = TypeVar("T")
 
@@ -47,7 +46,7 @@ def command_consumer(worker_id: str) -> ConsumerSpec:
 
 
 class EngineCaller(Protocol):
-    """What the handler needs of `shared.serving.engine_loop.EngineLoop`: run a function on the engine thread."""
+    """What the handler needs of `kvmesh.serving.engine_loop.EngineLoop`: run a function on the engine thread."""
 
     async def call(self, fn: Callable[[Engine], T]) -> T: ...
 

@@ -15,20 +15,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
+from kvmesh.config import IngressSettings
+from kvmesh.ingress.auth import KeyRing, Principal
+from kvmesh.ingress.errors import ApiError, ErrorKind, invalid
+from kvmesh.ingress.gateway import Gateway
+from kvmesh.ingress.limits import MAX_JSON_DEPTH, RateLimiter, check_json_tree
+from kvmesh.ingress.metrics import IngressMetrics
+from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.sessions.identity import (
+    HDR_SESSION,
+    SessionInputError,
+    check_id,
+    scoped_session_id,
+)
+from kvmesh.toolcalls.formats import HERMES, ToolFormat
 from pydantic import BaseModel, ValidationError
 
-from shared.config import IngressSettings
-from shared.ingress.auth import KeyRing, Principal
-from shared.ingress.errors import ApiError, ErrorKind, invalid
-from shared.ingress.gateway import Gateway
-from shared.ingress.limits import MAX_JSON_DEPTH, RateLimiter, check_json_tree
-from shared.ingress.metrics import IngressMetrics
-from shared.ingress.prompt import PromptBuilder
-from shared.sessions.identity import HDR_SESSION, SessionInputError, check_id, scoped_session_id
-from shared.toolcalls.formats import HERMES, ToolFormat
-
 if TYPE_CHECKING:
-    from shared.ingress.sessions import SessionTracker
+    from kvmesh.ingress.sessions import SessionTracker
 
 # Named caches (third part) plug in here: (principal, cache_id) -> the cached context to prepend.
 CacheLookup = Callable[[Principal, str], Awaitable["CachedContext"]]

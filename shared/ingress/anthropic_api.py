@@ -19,25 +19,41 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from shared.engine.chat_template import ChatTemplateError
-from shared.ingress.admission import Admitted, admit, budget, check_model, parse
-from shared.ingress.anthropic_models import CountTokensRequest, MessagesRequest
-from shared.ingress.anthropic_output import BlockEvents, content_blocks, stop_reason_with_calls
-from shared.ingress.cache_control import (
-    CacheUsage, Conversation, Placed, cache_usage, check_breakpoints, pins, place,
+from kvmesh.engine.chat_template import ChatTemplateError
+from kvmesh.ingress.admission import Admitted, admit, budget, check_model, parse
+from kvmesh.ingress.anthropic_models import CountTokensRequest, MessagesRequest
+from kvmesh.ingress.anthropic_output import (
+    BlockEvents,
+    content_blocks,
+    stop_reason_with_calls,
 )
-from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
-from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
-from shared.ingress.openai_api import _account  # one place logs and counts a finished request
-from shared.ingress.pin_admission import admit_pins, prompt_hashes
-from shared.ingress.prompt import PromptBuilder
-from shared.ingress.sessions import SessionInputs, Turn, inputs
-from shared.ingress.sse import SSE_HEADERS, sse
-from shared.ingress.tool_choice import ToolParsing, request_constraint, tool_parsing, tool_schemas
-from shared.log import get_logger
-from shared.protocol.serving import SamplingSpec, TokenEvent
-from shared.sessions.outcome import tool_evidence
+from kvmesh.ingress.cache_control import (
+    CacheUsage,
+    Conversation,
+    Placed,
+    cache_usage,
+    check_breakpoints,
+    pins,
+    place,
+)
+from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind, invalid
+from kvmesh.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
+from kvmesh.ingress.openai_api import (
+    _account,  # one place logs and counts a finished request
+)
+from kvmesh.ingress.pin_admission import admit_pins, prompt_hashes
+from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.ingress.sessions import SessionInputs, Turn, inputs
+from kvmesh.ingress.sse import SSE_HEADERS, sse
+from kvmesh.ingress.tool_choice import (
+    ToolParsing,
+    request_constraint,
+    tool_parsing,
+    tool_schemas,
+)
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import SamplingSpec, TokenEvent
+from kvmesh.sessions.outcome import tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from kvmesh.ingress.cache_control import Breakpoint, Conversation, Ttl
+from kvmesh.ingress.tool_choice import ToolChoice
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from shared.ingress.cache_control import Breakpoint, Conversation, Ttl
-from shared.ingress.tool_choice import ToolChoice
 
 
 class _Body(BaseModel):

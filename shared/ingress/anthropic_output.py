@@ -17,9 +17,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.ingress.tool_choice import ToolParsing
-from shared.toolcalls.parse import parse_output
-from shared.toolcalls.stream import ArgsDelta, CallStart, Delta, TextDelta, ToolCallStream
+from kvmesh.ingress.tool_choice import ToolParsing
+from kvmesh.toolcalls.parse import parse_output
+from kvmesh.toolcalls.stream import (
+    ArgsDelta,
+    CallStart,
+    Delta,
+    TextDelta,
+    ToolCallStream,
+)
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
 

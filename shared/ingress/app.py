@@ -23,21 +23,20 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from kvmesh.ingress.admission import IngressState
+from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind, dialect_of
+from kvmesh.ingress.gateway import GatewayError
+from kvmesh.ingress.openapi import build_openapi
+from kvmesh.log import bind_request, get_logger
+from kvmesh.sessions.identity import MAX_ID_CHARS
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from shared.ingress.admission import IngressState
-from shared.ingress.errors import ApiError, Dialect, ErrorKind, dialect_of
-from shared.ingress.gateway import GatewayError
-from shared.ingress.openapi import build_openapi
-from shared.log import bind_request, get_logger
-from shared.sessions.identity import MAX_ID_CHARS
 
 log = get_logger(__name__)
 
 # Routers of other parts, mounted if their module is present: (module, attribute).
-_OPTIONAL_ROUTERS = (("shared.ingress.anthropic_api", "router"), ("shared.ingress.named_caches", "router"),
-                     ("shared.ingress.session_api", "router"), ("shared.ingress.responses_api", "router"))
+_OPTIONAL_ROUTERS = (("kvmesh.ingress.anthropic_api", "router"), ("kvmesh.ingress.named_caches", "router"),
+                     ("kvmesh.ingress.session_api", "router"), ("kvmesh.ingress.responses_api", "router"))
 
 
 class RequestIdMiddleware:
@@ -103,7 +102,7 @@ def _cache(app: FastAPI) -> dict:
 
 def create_app(state: IngressState) -> FastAPI:
     """The ingress app over `state`."""
-    from shared.ingress import openai_api
+    from kvmesh.ingress import openai_api
 
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ingress = state

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
-
-from shared.ingress.errors import ApiError, ErrorKind
+from kvmesh.ingress.errors import ApiError, ErrorKind
 
 KEYS_FILE = "api_keys"
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.ingress.errors import invalid
-from shared.ingress.prompt import PromptBuilder
-from shared.protocol.serving import CachePin
+from kvmesh.ingress.errors import invalid
+from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.protocol.serving import CachePin
 
 Ttl = Literal["5m", "1h"]
 TTL_SECONDS: dict[str, float] = {"5m": 300.0, "1h": 3600.0}

@@ -16,15 +16,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import IngressSettings
+from kvmesh.ingress.errors import ErrorKind
+from kvmesh.ingress.prefix_locator import PrefixLocator
+from kvmesh.ingress.router import Router, WorkerTable
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.serving import CachePin, SamplingSpec, TokenEvent
 from nats.aio.client import Client as NATS
-
-from shared.bus.publish import Publisher
-from shared.config import IngressSettings
-from shared.ingress.errors import ErrorKind
-from shared.ingress.prefix_locator import PrefixLocator
-from shared.ingress.router import Router, WorkerTable
-from shared.protocol.messages import Role
-from shared.protocol.serving import CachePin, SamplingSpec, TokenEvent
 
 
 @dataclass(slots=True)
@@ -116,7 +115,9 @@ class Gateway:
 
     async def stream(self, req: GenerationRequest, usage: Usage | None = None) -> AsyncIterator[TokenEvent]:
         """Ordered, deduplicated events of `req`; `usage` (if given) is filled as they arrive."""
-        from shared.ingress.supervisor import RequestRun  # one module per concept; no import cycle at load
+        from kvmesh.ingress.supervisor import (
+            RequestRun,  # one module per concept; no import cycle at load
+        )
 
         if self.in_flight >= self.settings.max_in_flight:
             raise GatewayError(ErrorKind.OVERLOADED, f"too many requests in flight ({self.in_flight})")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.ingress.errors import ApiError, ErrorKind, invalid
+from kvmesh.ingress.errors import ApiError, ErrorKind, invalid
 
 # Deeper bodies are refused (400): nothing the dialects define nests past ~20 (a tool's JSON schema), and deep
 # values would reach code that recurses (validation, schema compilers, json.dumps) and fail there as a 500.

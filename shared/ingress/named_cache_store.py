@@ -13,13 +13,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvmesh.bus.kv_bucket import open_bucket
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message
+from kvmesh.protocol.streams import NAMED_CACHES
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NoKeysError
-
-from shared.bus.kv_bucket import open_bucket
-from shared.protocol import subjects
-from shared.protocol.base import Message
-from shared.protocol.streams import NAMED_CACHES
 
 
 class NamedCache(Message):

@@ -26,17 +26,32 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from kvmesh.engine.chat_template import ChatTemplateError
+from kvmesh.ingress.admission import (
+    Admitted,
+    CachedContext,
+    IngressState,
+    admit,
+    budget,
+    check_model,
+    parse,
+    state_of,
+)
+from kvmesh.ingress.anthropic_models import (
+    InputMessage,
+    TextBlock,
+    Tool,
+    conversation,
+    function_tool,
+    system_blocks,
+)
+from kvmesh.ingress.auth import Principal
+from kvmesh.ingress.errors import ApiError, ErrorKind, invalid
+from kvmesh.ingress.gateway import GenerationRequest
+from kvmesh.ingress.named_cache_store import NamedCache, NamedCacheStore
+from kvmesh.ingress.pin_admission import admit_pins, prompt_hashes, release_pins
+from kvmesh.protocol.serving import CachePin, SamplingSpec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from shared.engine.chat_template import ChatTemplateError
-from shared.ingress.admission import Admitted, CachedContext, IngressState, admit, budget, check_model, parse, state_of
-from shared.ingress.anthropic_models import InputMessage, TextBlock, Tool, conversation, function_tool, system_blocks
-from shared.ingress.auth import Principal
-from shared.ingress.errors import ApiError, ErrorKind, invalid
-from shared.ingress.gateway import GenerationRequest
-from shared.ingress.named_cache_store import NamedCache, NamedCacheStore
-from shared.ingress.pin_admission import admit_pins, prompt_hashes, release_pins
-from shared.protocol.serving import CachePin, SamplingSpec
 
 router = APIRouter()
 

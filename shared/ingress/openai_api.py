@@ -17,20 +17,42 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from shared.engine.chat_template import ChatTemplateError
-from shared.ingress.admission import Admitted, admit, budget, check_model, parse, state_of
-from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
-from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
-from shared.ingress.openai_chat_output import FINISH, ChatDeltas, chat_message, finish_reason
-from shared.ingress.openai_models import ChatCompletionRequest, CompletionRequest, JsonObjectFormat, \
-    JsonSchemaResponseFormat, _Common
-from shared.ingress.sessions import Turn, inputs
-from shared.ingress.sse import SSE_HEADERS, sse
-from shared.ingress.tool_choice import ToolParsing, json_constraint, request_constraint, tool_parsing, tool_schemas
-from shared.log import get_logger
-from shared.protocol.serving import Constraint, SamplingSpec, TokenEvent
-from shared.sessions.outcome import ToolEvidence, tool_evidence
+from kvmesh.engine.chat_template import ChatTemplateError
+from kvmesh.ingress.admission import (
+    Admitted,
+    admit,
+    budget,
+    check_model,
+    parse,
+    state_of,
+)
+from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind, invalid
+from kvmesh.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
+from kvmesh.ingress.openai_chat_output import (
+    FINISH,
+    ChatDeltas,
+    chat_message,
+    finish_reason,
+)
+from kvmesh.ingress.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    _Common,
+)
+from kvmesh.ingress.sessions import Turn, inputs
+from kvmesh.ingress.sse import SSE_HEADERS, sse
+from kvmesh.ingress.tool_choice import (
+    ToolParsing,
+    json_constraint,
+    request_constraint,
+    tool_parsing,
+    tool_schemas,
+)
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import Constraint, SamplingSpec, TokenEvent
+from kvmesh.sessions.outcome import ToolEvidence, tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()

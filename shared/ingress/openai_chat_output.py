@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.ingress.tool_choice import ToolParsing
-from shared.toolcalls.parse import parse_output
-from shared.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
+from kvmesh.ingress.tool_choice import ToolParsing
+from kvmesh.toolcalls.parse import parse_output
+from kvmesh.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from kvmesh.ingress.errors import invalid
+from kvmesh.ingress.tool_choice import ToolChoice, tool_schema
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from shared.ingress.errors import invalid
-from shared.ingress.tool_choice import ToolChoice, tool_schema
 
 
 class _Body(BaseModel):

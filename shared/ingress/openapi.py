@@ -15,20 +15,19 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from kvmesh.ingress.errors import Dialect, dialect_of
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-
-from shared.ingress.errors import Dialect, dialect_of
 
 # (method, path) -> "module:Model" of its JSON request body. Modules of parts that are absent are skipped,
 # as the app skips their routers.
 REQUEST_BODIES = {
-    ("post", "/v1/chat/completions"): "shared.ingress.openai_models:ChatCompletionRequest",
-    ("post", "/v1/completions"): "shared.ingress.openai_models:CompletionRequest",
-    ("post", "/v1/responses"): "shared.ingress.responses_models:ResponsesRequest",
-    ("post", "/v1/caches"): "shared.ingress.named_caches:CreateCacheRequest",
-    ("post", "/v1/messages"): "shared.ingress.anthropic_models:MessagesRequest",
-    ("post", "/v1/messages/count_tokens"): "shared.ingress.anthropic_models:CountTokensRequest",
+    ("post", "/v1/chat/completions"): "kvmesh.ingress.openai_models:ChatCompletionRequest",
+    ("post", "/v1/completions"): "kvmesh.ingress.openai_models:CompletionRequest",
+    ("post", "/v1/responses"): "kvmesh.ingress.responses_models:ResponsesRequest",
+    ("post", "/v1/caches"): "kvmesh.ingress.named_caches:CreateCacheRequest",
+    ("post", "/v1/messages"): "kvmesh.ingress.anthropic_models:MessagesRequest",
+    ("post", "/v1/messages/count_tokens"): "kvmesh.ingress.anthropic_models:CountTokensRequest",
 }
 REF = "#/components/schemas/{model}"
 UNAUTHENTICATED = ("/healthz", "/readyz")  # probes answer without a key; every other route wants one

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.eviction.client import pin_prefix, unpin_prefix
-from shared.eviction.messages import PinReply
-from shared.ingress.admission import Admitted, IngressState
-from shared.ingress.errors import ApiError, ErrorKind
-from shared.log import get_logger
-from shared.protocol.serving import CachePin
-from shared.tiers.namespace import namespace_for
+from kvmesh.eviction.client import pin_prefix, unpin_prefix
+from kvmesh.eviction.messages import PinReply
+from kvmesh.ingress.admission import Admitted, IngressState
+from kvmesh.ingress.errors import ApiError, ErrorKind
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import CachePin
+from kvmesh.tiers.namespace import namespace_for
 
 log = get_logger(__name__)
 

@@ -15,15 +15,20 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.cache_index.client import lookup_prefix
+from kvmesh.cache_index.messages import LookupReply
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.engine.checkpoint import (
+    IGNORED_SUFFIXES,
+    _hash_tensor,
+    _open_all,
+    read_json,
+    weight_files,
+)
+from kvmesh.engine.loader import CONFIG_FILE, fingerprint
+from kvmesh.engine.model_config import parse_model_config
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, Counter
-
-from shared.cache_index.client import lookup_prefix
-from shared.cache_index.messages import LookupReply
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.engine.checkpoint import IGNORED_SUFFIXES, _hash_tensor, _open_all, read_json, weight_files
-from shared.engine.loader import CONFIG_FILE, fingerprint
-from shared.engine.model_config import parse_model_config
 
 
 def model_fingerprint(model_dir: Path, dtype: str | None = None) -> str:

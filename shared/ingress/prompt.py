@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.engine.tokenizer import Tokenizer
+from kvmesh.engine.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -19,13 +19,12 @@ import hashlib
 import time
 from typing import Any
 
+from kvmesh.bus.kv_bucket import open_bucket
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message
+from kvmesh.protocol.streams import RESPONSES
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
-
-from shared.bus.kv_bucket import open_bucket
-from shared.protocol import subjects
-from shared.protocol.base import Message
-from shared.protocol.streams import RESPONSES
 
 
 class StoredResponse(Message):

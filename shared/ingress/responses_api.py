@@ -22,24 +22,31 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from shared.engine.chat_template import ChatTemplateError
-from shared.ingress.admission import Admitted, IngressState, admit, budget, check_model, parse, state_of
-from shared.ingress.errors import ApiError, Dialect, ErrorKind, invalid
-from shared.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
-from shared.ingress.openai_api import _account
-from shared.ingress.response_store import ResponseStore, StoredResponse
-from shared.ingress.responses_conversation import stored, to_messages
-from shared.ingress.responses_models import ResponsesRequest, items
-from shared.ingress.responses_output import EventWriter, ResponseDraft, new_id, usage_of
-from shared.ingress.responses_stream import OutputBuilder
-from shared.ingress.responses_tools import ToolPlan, plan_tools
-from shared.ingress.sessions import SessionInputs, Turn, inputs
-from shared.ingress.sse import SSE_HEADERS
-from shared.log import get_logger
-from shared.protocol.serving import SamplingSpec, TokenEvent
-from shared.sessions.identity import Source
-from shared.sessions.outcome import tool_evidence
+from kvmesh.engine.chat_template import ChatTemplateError
+from kvmesh.ingress.admission import (
+    Admitted,
+    IngressState,
+    admit,
+    budget,
+    check_model,
+    parse,
+    state_of,
+)
+from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind, invalid
+from kvmesh.ingress.gateway import GatewayError, GenerationRequest, Usage, route_header
+from kvmesh.ingress.openai_api import _account
+from kvmesh.ingress.response_store import ResponseStore, StoredResponse
+from kvmesh.ingress.responses_conversation import stored, to_messages
+from kvmesh.ingress.responses_models import ResponsesRequest, items
+from kvmesh.ingress.responses_output import EventWriter, ResponseDraft, new_id, usage_of
+from kvmesh.ingress.responses_stream import OutputBuilder
+from kvmesh.ingress.responses_tools import ToolPlan, plan_tools
+from kvmesh.ingress.sessions import SessionInputs, Turn, inputs
+from kvmesh.ingress.sse import SSE_HEADERS
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import SamplingSpec, TokenEvent
+from kvmesh.sessions.identity import Source
+from kvmesh.sessions.outcome import tool_evidence
 
 log = get_logger(__name__)
 router = APIRouter()

@@ -16,8 +16,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from shared.ingress.errors import invalid
-from shared.ingress.responses_models import FunctionCallItem, FunctionCallOutputItem, MessageItem
+from kvmesh.ingress.errors import invalid
+from kvmesh.ingress.responses_models import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+)
 
 AnyItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from kvmesh.ingress.errors import invalid
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-
-from shared.ingress.errors import invalid
 
 
 class _Body(BaseModel):

@@ -13,9 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.ingress.gateway import Usage
-from shared.ingress.responses_models import ResponsesRequest
-from shared.ingress.sse import sse
+from kvmesh.ingress.gateway import Usage
+from kvmesh.ingress.responses_models import ResponsesRequest
+from kvmesh.ingress.sse import sse
 
 
 def new_id(prefix: str) -> str:

@@ -16,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.ingress.responses_output import EventWriter, function_call_item, message_item, new_id, output_text
+from kvmesh.ingress.responses_output import (
+    EventWriter,
+    function_call_item,
+    message_item,
+    new_id,
+    output_text,
+)
 
 
 @dataclass(slots=True)

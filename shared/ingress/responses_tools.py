@@ -21,15 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.ingress.admission import IngressState
-from shared.ingress.responses_models import FormatJsonObject, FormatJsonSchema, FunctionTool, ResponsesRequest
-from shared.ingress.responses_models import ToolChoiceFunction
-from shared.ingress.responses_stream import OutputBuilder
-from shared.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
-from shared.protocol.serving import Constraint, ToolSchema
-from shared.toolcalls.formats import ToolFormat
-from shared.toolcalls.parse import parse_output
-from shared.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
+from kvmesh.ingress.admission import IngressState
+from kvmesh.ingress.responses_models import (
+    FormatJsonObject,
+    FormatJsonSchema,
+    FunctionTool,
+    ResponsesRequest,
+    ToolChoiceFunction,
+)
+from kvmesh.ingress.responses_stream import OutputBuilder
+from kvmesh.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
+from kvmesh.protocol.serving import Constraint, ToolSchema
+from kvmesh.toolcalls.formats import ToolFormat
+from kvmesh.toolcalls.parse import parse_output
+from kvmesh.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
 
 
 class Splitter(Protocol):

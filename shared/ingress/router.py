@@ -32,16 +32,15 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvmesh.aio import wait_event
+from kvmesh.cache_index.messages import LookupReply
+from kvmesh.config import IngressSettings
+from kvmesh.ingress.prefill_rates import PrefillRates
+from kvmesh.ingress.routing_cost import FetchCosts, Placements, prefill_cost
+from kvmesh.log import get_logger
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.service.watch import Change, WorkerChange, follow_workers
 from nats.js import JetStreamContext
-
-from shared.aio import wait_event
-from shared.cache_index.messages import LookupReply
-from shared.config import IngressSettings
-from shared.ingress.prefill_rates import PrefillRates
-from shared.ingress.routing_cost import FetchCosts, Placements, prefill_cost
-from shared.log import get_logger
-from shared.protocol.messages import Heartbeat, Role
-from shared.service.watch import Change, WorkerChange, follow_workers
 
 log = get_logger(__name__)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.cache_index.messages import LookupReply, WorkerMatch
-from shared.config import IngressSettings
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.messages import LookupReply, WorkerMatch
+from kvmesh.config import IngressSettings
+from kvmesh.tiers.miss import Tier
 
 
 @dataclass(frozen=True, slots=True)

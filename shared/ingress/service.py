@@ -16,26 +16,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
-
-from shared.config import Settings
-from shared.engine.checkpoint_error import CheckpointError
-from shared.engine.tokenizer import Tokenizer
-from shared.ingress.admission import IngressState
-from shared.ingress.app import create_app
-from shared.ingress.auth import KeyRing
-from shared.ingress.gateway import Gateway
-from shared.ingress.limits import RateLimiter
-from shared.ingress.metrics import IngressMetrics
-from shared.ingress.prefix_locator import PrefixLocator, model_fingerprint
-from shared.ingress.prompt import PromptBuilder
-from shared.ingress.router import WorkerTable
-from shared.ingress.salt_secret import load_secret
-from shared.ingress.session_table import SessionTable
-from shared.ingress.sessions import ChainHasher, SessionTracker
-from shared.ingress.traffic_hook import TrafficRecorder
-from shared.log import get_logger
-from shared.service.runner import ServiceContext
-from shared.toolcalls.formats import select
+from kvmesh.config import Settings
+from kvmesh.engine.checkpoint_error import CheckpointError
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.ingress.admission import IngressState
+from kvmesh.ingress.app import create_app
+from kvmesh.ingress.auth import KeyRing
+from kvmesh.ingress.gateway import Gateway
+from kvmesh.ingress.limits import RateLimiter
+from kvmesh.ingress.metrics import IngressMetrics
+from kvmesh.ingress.prefix_locator import PrefixLocator, model_fingerprint
+from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.ingress.router import WorkerTable
+from kvmesh.ingress.salt_secret import load_secret
+from kvmesh.ingress.session_table import SessionTable
+from kvmesh.ingress.sessions import ChainHasher, SessionTracker
+from kvmesh.ingress.traffic_hook import TrafficRecorder
+from kvmesh.log import get_logger
+from kvmesh.service.runner import ServiceContext
+from kvmesh.toolcalls.formats import select
 
 log = get_logger(__name__)
 

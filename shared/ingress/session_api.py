@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-
-from shared.bus.publish import PublishError
-from shared.ingress.admission import state_of
-from shared.ingress.errors import ApiError, ErrorKind, invalid
-from shared.log import bind_request
-from shared.sessions.identity import SessionInputError, check_id, scoped_session_id
+from kvmesh.bus.publish import PublishError
+from kvmesh.ingress.admission import state_of
+from kvmesh.ingress.errors import ApiError, ErrorKind, invalid
+from kvmesh.log import bind_request
+from kvmesh.sessions.identity import SessionInputError, check_id, scoped_session_id
 
 router = APIRouter()
 

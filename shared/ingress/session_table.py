@@ -26,9 +26,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.sessions.events import TurnOutcome
-from shared.sessions.identity import SessionRef
-from shared.sessions.outcome import Chain
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.identity import SessionRef
+from kvmesh.sessions.outcome import Chain
 
 ROOT = b""  # the anchor of a sequence shorter than one block
 AnchorKey = tuple[bytes, tuple[int, ...]]  # (last full block hash or ROOT, the tokens after it)

@@ -35,27 +35,40 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
-
-from shared.bus.publish import Publisher
-from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
-from shared.ingress.admission import Admitted
-from shared.ingress.errors import Dialect, invalid
-from shared.ingress.metrics import IngressMetrics
-from shared.ingress.session_table import SessionTable, anchor_of
-from shared.ingress.traffic_hook import TrafficRecorder, build_record
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.identity import (
-    SessionHints, SessionInputError, SessionRef, Source, explicit_anthropic, explicit_openai, hints,
+from kvmesh.bus.publish import Publisher
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_blocks
+from kvmesh.ingress.admission import Admitted
+from kvmesh.ingress.errors import Dialect, invalid
+from kvmesh.ingress.metrics import IngressMetrics
+from kvmesh.ingress.session_table import SessionTable, anchor_of
+from kvmesh.ingress.traffic_hook import TrafficRecorder, build_record
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.sessions.identity import (
+    SessionHints,
+    SessionInputError,
+    SessionRef,
+    Source,
+    explicit_anthropic,
+    explicit_openai,
+    hints,
     scoped_session_id,
 )
-from shared.sessions.outcome import (
-    Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event, started_event, started_msg_id,
+from kvmesh.sessions.outcome import (
+    Chain,
+    EventFacts,
+    ToolEvidence,
+    TurnEnd,
+    classify,
+    event_msg_id,
+    session_event,
+    started_event,
+    started_msg_id,
 )
 
 if TYPE_CHECKING:
-    from shared.ingress.gateway import Usage
+    from kvmesh.ingress.gateway import Usage
 
 log = get_logger(__name__)
 

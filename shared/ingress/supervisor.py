@@ -33,19 +33,18 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import nats.errors
+from kvmesh.bus.publish import PublishError
+from kvmesh.ingress.errors import ErrorKind
+from kvmesh.ingress.gateway import GatewayError, Usage
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.serving import AbortRequest, DecodeJob, PrefillJob, TokenEvent
 from nats.aio.msg import Msg
 
-from shared.bus.publish import PublishError
-from shared.ingress.errors import ErrorKind
-from shared.ingress.gateway import GatewayError, Usage
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.messages import Role
-from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob, TokenEvent
-
 if TYPE_CHECKING:
-    from shared.ingress.gateway import Gateway, GenerationRequest
+    from kvmesh.ingress.gateway import Gateway, GenerationRequest
 
 log = get_logger(__name__)
 

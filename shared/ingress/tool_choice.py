@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.constrain.check import ConstraintError, validate
-from shared.ingress.errors import invalid
-from shared.protocol.serving import Constraint, ToolSchema
-from shared.toolcalls.formats import ToolFormat
+from kvmesh.constrain.check import ConstraintError, validate
+from kvmesh.ingress.errors import invalid
+from kvmesh.protocol.serving import Constraint, ToolSchema
+from kvmesh.toolcalls.formats import ToolFormat
 
 Mode = Literal["none", "auto", "required", "named"]
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what both APIs accept as a tool name

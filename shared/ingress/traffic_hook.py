@@ -17,17 +17,16 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_args
 
+from kvmesh.bus.publish import Publisher
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import CachePin
+from kvmesh.protocol.traffic import Api, TrafficRecord, hash_id, session_tag, tenant_tag
 from prometheus_client import CollectorRegistry, Counter
 
-from shared.bus.publish import Publisher
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.serving import CachePin
-from shared.protocol.traffic import Api, TrafficRecord, hash_id, session_tag, tenant_tag
-
 if TYPE_CHECKING:
-    from shared.ingress.gateway import Usage
-    from shared.ingress.sessions import Turn
+    from kvmesh.ingress.gateway import Usage
+    from kvmesh.ingress.sessions import Turn
 
 log = get_logger(__name__)
 

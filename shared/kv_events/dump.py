@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import nats.errors
+from kvmesh.kv_events.events import StateDumpChunk, StateDumpRequest
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-
-from shared.kv_events.events import StateDumpChunk, StateDumpRequest
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
 
 log = get_logger(__name__)
 

@@ -18,11 +18,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shared.engine.block_hash import BlockHash
-from shared.kv_events.dump import WorkerState
-from shared.kv_events.events import BlockMoved, BlockRemoved, BlockStored, KVEvent, KVEventBatch, WorkerCleared
-from shared.protocol import subjects
-from shared.tiers.miss import Tier
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.kv_events.dump import WorkerState
+from kvmesh.kv_events.events import (
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    WorkerCleared,
+)
+from kvmesh.protocol import subjects
+from kvmesh.tiers.miss import Tier
 
 Source = Callable[[], tuple[list[bytes], list[bytes]]]  # the worker's (L1 hashes, L2 hashes) now
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from kvmesh.protocol.base import Message
+from kvmesh.tiers.miss import Tier
 from pydantic import Field, StringConstraints, model_validator
-
-from shared.protocol.base import Message
-from shared.tiers.miss import Tier
 
 # A block hash (SHA-256, shared/engine/block_hash.py) in lowercase hex.
 HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]

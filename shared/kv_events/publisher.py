@@ -21,18 +21,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from kvmesh.aio import wait_event
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import IndexSettings
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.kv_events.dump import WorkerState, serve_dump
+from kvmesh.kv_events.event_log import EventLog, Source
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.tiers.miss import Tier
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
-
-from shared.aio import wait_event
-from shared.bus.publish import Publisher
-from shared.config import IndexSettings
-from shared.engine.block_hash import BlockHash
-from shared.kv_events.dump import WorkerState, serve_dump
-from shared.kv_events.event_log import EventLog, Source
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.tiers.miss import Tier
 
 log = get_logger(__name__)
 

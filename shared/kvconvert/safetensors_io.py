@@ -13,11 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from kvmesh.kvconvert.errors import IncompatibleKV
+from kvmesh.tiers.block_format import BlockHeader, StoredBlock
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from shared.kvconvert.errors import IncompatibleKV
-from shared.tiers.block_format import BlockHeader, StoredBlock
 
 FILE_FORMAT = "kvmesh-kv"
 FILE_VERSION = 1

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
-from shared.engine.block_hash import BlockHash, HashKeys, hash_block
-from shared.kvconvert.errors import IncompatibleKV
-from shared.tiers.block_format import DTYPES, LAYOUTS, StoredBlock
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block
+from kvmesh.kvconvert.errors import IncompatibleKV
+from kvmesh.tiers.block_format import DTYPES, LAYOUTS, StoredBlock
 
 # Max abs error of one fp32 -> dtype -> fp32 round trip, relative to |x| (unit roundoff).
 DTYPE_TOLERANCE = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}

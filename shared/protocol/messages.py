@@ -8,9 +8,8 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
+from kvmesh.protocol.base import Message
 from pydantic import Field
-
-from shared.protocol.base import Message
 
 
 class Role(StrEnum):

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvmesh.protocol.base import Message
+from kvmesh.tiers.handle import BlockHandle
 from pydantic import Field
 
-from shared.protocol.base import Message
-from shared.tiers.handle import BlockHandle
-
 if TYPE_CHECKING:  # the engine (torch) stays out of the ingress's imports
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.engine.sampling import SamplingParams
 
 
 class ToolSchema(Message):
@@ -63,7 +62,7 @@ class SamplingSpec(Message):
     constraint: Constraint | None = None  # grammar-constrained decoding (tool_choice, response_format)
 
     def to_params(self, max_tokens: int | None = None) -> SamplingParams:
-        from shared.engine.sampling import SamplingParams
+        from kvmesh.engine.sampling import SamplingParams
 
         return SamplingParams(
             max_tokens=self.max_tokens if max_tokens is None else max_tokens,

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.protocol import subjects
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
-
-from shared.protocol import subjects
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -17,9 +17,8 @@ from __future__ import annotations
 import hashlib
 from typing import Literal
 
+from kvmesh.protocol.base import Message
 from pydantic import Field, field_validator
-
-from shared.protocol.base import Message
 
 Api = Literal["openai.chat", "openai.completions", "openai.responses", "anthropic.messages"]
 TIERS = ("l1", "l2", "peer", "l3")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.traffic import TrafficRecord
-from shared.report import decide, hit_windows, hosted, self_built
-from shared.report.measure import measure
-from shared.report.prices import PriceBook
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.report import decide, hit_windows, hosted, self_built
+from kvmesh.report.measure import measure
+from kvmesh.report.prices import PriceBook
 
 
 @dataclass(frozen=True, slots=True)

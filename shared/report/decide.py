@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.report.measure import Measured
-from shared.report.prices import Rules
+from kvmesh.report.measure import Measured
+from kvmesh.report.prices import Rules
 
 OPTIONS = ("hosted", "self_built", "kvmesh_cross_turn")
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from shared.cache_policy.policy_cache import BlockSpec
-from shared.protocol.traffic import TrafficRecord
-from shared.report.measure import record_tiers
-from shared.sim.belady import BeladyPolicy
-from shared.sim.tiers import TieredCache
-from shared.sim.trace import Trace, parse_line
-from shared.traffic.trace_lines import trace_lines
+from kvmesh.cache_policy.policy_cache import BlockSpec
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.report.measure import record_tiers
+from kvmesh.sim.belady import BeladyPolicy
+from kvmesh.sim.tiers import TieredCache
+from kvmesh.sim.trace import Trace, parse_line
+from kvmesh.traffic.trace_lines import trace_lines
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.report.measure import Measured
-from shared.report.prices import HostedPrices
+from kvmesh.report.measure import Measured
+from kvmesh.report.prices import HostedPrices
 
 MTOK = 1_000_000
 ASSUMPTION = ("each hosted API is assumed to hit the same cached tokens kvmesh measured "

@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from shared.protocol.traffic import TIERS, TrafficRecord
+from kvmesh.protocol.traffic import TIERS, TrafficRecord
 
 WINDOW_S = 60.0
 DAY_S = 86_400.0

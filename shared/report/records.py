@@ -12,9 +12,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvmesh.protocol.traffic import TrafficRecord
 from pydantic import ValidationError
-
-from shared.protocol.traffic import TrafficRecord
 
 SIM_ONLY_FIELDS = ("timestamp",)
 

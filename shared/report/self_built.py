@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.protocol.traffic import TrafficRecord
-from shared.report.hosted import per_day, per_million
-from shared.report.measure import Measured
-from shared.report.prices import SelfBuiltModel
-from shared.sim.recompute_model import Geometry, prefill_flops
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.report.hosted import per_day, per_million
+from kvmesh.report.measure import Measured
+from kvmesh.report.prices import SelfBuiltModel
+from kvmesh.sim.recompute_model import Geometry, prefill_flops
 
 
 @dataclass(frozen=True, slots=True)

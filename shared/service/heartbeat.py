@@ -25,13 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from kvmesh.aio import wait_event
+from kvmesh.log import get_logger
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Heartbeat, Role
 from nats.js import JetStreamContext
-
-from shared.aio import wait_event
-from shared.log import get_logger
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import Heartbeat, Role
 
 log = get_logger(__name__)
 

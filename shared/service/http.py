@@ -15,8 +15,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
-
-from shared.metrics import ServiceMetrics
+from kvmesh.metrics import ServiceMetrics
 
 ReadyCheck = Callable[[], dict[str, bool]]  # named conditions; ready when all are true
 

@@ -7,8 +7,8 @@ logic lives in `shared/`. `services/<name>/__main__.py` is then one line:
     raise SystemExit(run_service("prefill", Role.PREFILL, setup))
 
 Contract with the stack launcher (`kvmesh up`):
-- started as `python -m services.<name>`; all settings come from KVMESH_*
-  env vars (`shared.config.Settings`), in particular `KVMESH_NATS_URL`,
+- started as `python -m kvmesh.services.<name>`; all settings come from KVMESH_*
+  env vars (`kvmesh.config.Settings`), in particular `KVMESH_NATS_URL`,
   `KVMESH_SERVICE__HTTP_PORT` (0 = any free port) and
   `KVMESH_SERVICE__WORKER_ID` (default `<name>-<pid>`; letters, digits, '-'
   and '_' only: it becomes part of subjects and KV keys); `KVMESH_LOG_LEVEL`;
@@ -17,7 +17,7 @@ Contract with the stack launcher (`kvmesh up`):
   prefix that user may read (shared/bus/permissions.py).
   NATS may still be starting: the first connect is retried for
   `bus.connect_retry_total_s` (30 s) before the process exits 1.
-- the launcher runs `shared.protocol.streams.declare_all` before starting
+- the launcher runs `kvmesh.protocol.streams.declare_all` before starting
   services; the runner does not declare shared streams, only its own
   per-worker consumers.
 - `GET http://<http_host>:<port>/readyz` answers 200 once NATS is connected,
@@ -41,25 +41,24 @@ import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.consumer import ConsumerLoop, Handler
+from kvmesh.bus.permissions import inbox_prefix
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import Responder, serve
+from kvmesh.config import Settings, load_settings
+from kvmesh.log import configure_logging, get_logger
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import ConsumerSpec
+from kvmesh.service.heap import freeze_startup_heap
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.service.http import SideServer
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-
-from shared.bus.client_auth import ClientAuth
-from shared.bus.connection import close, connect
-from shared.bus.permissions import inbox_prefix
-from shared.bus.consumer import ConsumerLoop, Handler
-from shared.bus.publish import Publisher
-from shared.bus.request import Responder, serve
-from shared.config import Settings, load_settings
-from shared.log import configure_logging, get_logger
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.base import Message
-from shared.protocol.messages import Role
-from shared.protocol.streams import ConsumerSpec
-from shared.service.heap import freeze_startup_heap
-from shared.service.heartbeat import HeartbeatLoop
-from shared.service.http import SideServer
 
 log = get_logger(__name__)
 

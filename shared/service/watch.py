@@ -27,14 +27,13 @@ from enum import StrEnum
 
 import nats.errors
 import nats.js.errors
+from kvmesh.aio import next_within
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Heartbeat
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
-
-from shared.aio import next_within
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.messages import Heartbeat
 
 log = get_logger(__name__)
 

@@ -15,11 +15,10 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.log import get_logger
+from kvmesh.serving.engine_loop import EngineLoop, RequestSpec
 from prometheus_client import CollectorRegistry, Counter
-
-from shared.engine.sampling import SamplingParams
-from shared.log import get_logger
-from shared.serving.engine_loop import EngineLoop, RequestSpec
 
 log = get_logger(__name__)
 

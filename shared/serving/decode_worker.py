@@ -31,22 +31,28 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvmesh.bus.consumer import PermanentError
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import WorkerSettings
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import DecodeJob
+from kvmesh.serving.audit import AuditCase, CacheAudit
+from kvmesh.serving.engine_loop import RequestSpec
+from kvmesh.serving.kv_fetch import (
+    DEFAULT_WINDOW_BLOCKS,
+    L2Source,
+    L3Source,
+    PeerSource,
+    cached_run,
+    fetch_chain,
+)
+from kvmesh.serving.kv_store import store_chain
+from kvmesh.serving.ledger import JobLedger, run_once
+from kvmesh.serving.runtime import WorkerRuntime
+from kvmesh.serving.token_stream import TokenStream
+from kvmesh.serving.worker_tiers import namespace_for
+from kvmesh.tiers.miss import Tier
 from nats.aio.msg import Msg
-
-from shared.bus.consumer import PermanentError
-from shared.bus.publish import Publisher
-from shared.config import WorkerSettings
-from shared.log import get_logger
-from shared.protocol.serving import DecodeJob
-from shared.serving.audit import AuditCase, CacheAudit
-from shared.serving.engine_loop import RequestSpec
-from shared.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, PeerSource, cached_run, fetch_chain
-from shared.serving.kv_store import store_chain
-from shared.serving.ledger import JobLedger, run_once
-from shared.serving.runtime import WorkerRuntime
-from shared.serving.token_stream import TokenStream
-from shared.serving.worker_tiers import namespace_for
-from shared.tiers.miss import Tier
 
 log = get_logger(__name__)
 

@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from shared.engine.engine import Engine
-from shared.engine.kv_block import KVBlock
-from shared.engine.request import RequestOutput
-from shared.engine.sampling import SamplingParams
-from shared.log import get_logger
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.engine.request import RequestOutput
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.log import get_logger
 
 log = get_logger(__name__)
 

@@ -25,14 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.engine.kv_block import KVBlock
-from shared.log import get_logger
-from shared.serving.engine_loop import EngineLoop
-from shared.tiers.block_format import StoredBlock
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss, Tier
-from shared.tiers.resolver import PeerClient
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.log import get_logger
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.tiers.block_format import StoredBlock
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, Tier
+from kvmesh.tiers.resolver import PeerClient
 
 log = get_logger(__name__)
 

@@ -6,11 +6,10 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from kvmesh.log import get_logger
+from kvmesh.protocol.messages import Role
+from kvmesh.service.watch import Change, follow_workers
 from nats.js import JetStreamContext
-
-from shared.log import get_logger
-from shared.protocol.messages import Role
-from shared.service.watch import Change, follow_workers
 
 log = get_logger(__name__)
 

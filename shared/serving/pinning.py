@@ -20,12 +20,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.cache_policy.pin_ledger import PinLedger
-from shared.config import PinQuotaSettings
-from shared.log import get_logger
-from shared.protocol.serving import CachePin
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.worker_tiers import WorkerTiers
+from kvmesh.cache_policy.pin_ledger import PinLedger
+from kvmesh.config import PinQuotaSettings
+from kvmesh.log import get_logger
+from kvmesh.protocol.serving import CachePin
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.worker_tiers import WorkerTiers
 
 log = get_logger(__name__)
 

@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.kv_fetch import Source, fetch_chain
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.kv_fetch import Source, fetch_chain
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,24 +21,23 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvmesh.bus.consumer import PermanentError
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import WorkerSettings
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
+from kvmesh.serving.engine_loop import RequestSpec
+from kvmesh.serving.kv_store import store_chain
+from kvmesh.serving.ledger import JobLedger, run_once
+from kvmesh.serving.pinning import L2Pins, apply_pins, cache_created
+from kvmesh.serving.prefix_reach import reach_prefix
+from kvmesh.serving.runtime import WorkerRuntime
+from kvmesh.serving.token_stream import publish_event
+from kvmesh.tiers.namespace import namespace_for
+from kvmesh.traffic.tiers import tier_tokens
 from nats.aio.msg import Msg
-
-from shared.bus.consumer import PermanentError
-from shared.bus.publish import Publisher
-from shared.config import WorkerSettings
-from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.serving import DecodeJob, PrefillJob, TokenEvent
-from shared.serving.engine_loop import RequestSpec
-from shared.serving.kv_store import store_chain
-from shared.serving.ledger import JobLedger, run_once
-from shared.serving.pinning import L2Pins, apply_pins, cache_created
-from shared.serving.prefix_reach import reach_prefix
-from shared.serving.runtime import WorkerRuntime
-from shared.serving.token_stream import publish_event
-from shared.tiers.namespace import namespace_for
-from shared.traffic.tiers import tier_tokens
 
 log = get_logger(__name__)
 

@@ -20,13 +20,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NATS
-
-from shared.cache_index.client import lookup_prefix
-from shared.cache_index.messages import LookupReply
-from shared.config import WorkerSettings
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.kv_fetch import (
+from kvmesh.cache_index.client import lookup_prefix
+from kvmesh.cache_index.messages import LookupReply
+from kvmesh.config import WorkerSettings
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.kv_fetch import (
     DEFAULT_WINDOW_BLOCKS,
     L2Source,
     L3Source,
@@ -35,8 +33,9 @@ from shared.serving.kv_fetch import (
     cached_run,
     fetch_chain,
 )
-from shared.serving.worker_tiers import WorkerTiers, namespace_for
-from shared.tiers.miss import Tier
+from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
+from kvmesh.tiers.miss import Tier
+from nats.aio.client import Client as NATS
 
 _INDEX_TIMEOUT_S = 0.02  # a lookup answers in about a millisecond; past this, L3 is asked instead
 _INFLIGHT = WorkerSettings().resolve_inflight

@@ -15,17 +15,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from shared.cache_policy.session import SessionAware
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol.streams import ConsumerSpec
-from shared.service.runner import ServiceContext
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.peers import PeerDirectory
-from shared.serving.session_feed import SessionFeed
-from shared.serving.tier_metrics import TierMetrics, export_worker_metrics
-from shared.serving.worker_tiers import WorkerTiers
+from kvmesh.cache_policy.session import SessionAware
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol.streams import ConsumerSpec
+from kvmesh.service.runner import ServiceContext
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.peers import PeerDirectory
+from kvmesh.serving.session_feed import SessionFeed
+from kvmesh.serving.tier_metrics import TierMetrics, export_worker_metrics
+from kvmesh.serving.worker_tiers import WorkerTiers
 
 # Jobs end by their own deadline (the ingress sets it); the consumer's hung-handler guard only backs it up.
 _HANDLER_TIMEOUT_S = 3600.0

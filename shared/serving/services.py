@@ -9,22 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.bus.consumer import typed
-from shared.eviction.worker_commands import CommandHandler, command_consumer
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob
-from shared.protocol.messages import Role
-from shared.protocol.streams import (DECODE_ANY, HANDOFF, HANDOFF_ANY, JOBS, PREFILL_ANY, ConsumerSpec,
-                                     worker_consumer)
-from shared.service.runner import ServiceContext
-from shared.serving.audit import CacheAudit
-from shared.serving.decode_worker import DecodeWorker
-from shared.serving.prefill_worker import PrefillWorker
-from shared.serving.pinning import L2Pins
-from shared.serving.runtime import WorkerRuntime, job_consumer
-from shared.serving.tier_metrics import CommandsCollector
+from kvmesh.bus.consumer import typed
+from kvmesh.eviction.worker_commands import CommandHandler, command_consumer
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.serving import AbortRequest, DecodeJob, PrefillJob
+from kvmesh.protocol.streams import (
+    DECODE_ANY,
+    HANDOFF,
+    HANDOFF_ANY,
+    JOBS,
+    PREFILL_ANY,
+    ConsumerSpec,
+    worker_consumer,
+)
+from kvmesh.service.runner import ServiceContext
+from kvmesh.serving.audit import CacheAudit
+from kvmesh.serving.decode_worker import DecodeWorker
+from kvmesh.serving.pinning import L2Pins
+from kvmesh.serving.prefill_worker import PrefillWorker
+from kvmesh.serving.runtime import WorkerRuntime, job_consumer
+from kvmesh.serving.tier_metrics import CommandsCollector
 
 log = get_logger(__name__)
 

@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from collections import OrderedDict
+from collections.abc import Sequence
 from contextlib import suppress
 
+from kvmesh.cache_policy.session import SessionAware
+from kvmesh.log import get_logger
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.streams import SESSIONS
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-
-from shared.cache_policy.session import SessionAware
-from shared.log import get_logger
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.streams import SESSIONS
-from shared.serving.engine_loop import EngineLoop
-from shared.sessions.events import SessionEvent, TurnOutcome
 
 log = get_logger(__name__)
 

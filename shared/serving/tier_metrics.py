@@ -23,17 +23,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmesh.tiers.l3_store import L3Stats
+from kvmesh.tiers.miss import Tier
+from kvmesh.tiers.upload_queue import UploadStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.tiers.l3_store import L3Stats
-from shared.tiers.miss import Tier
-from shared.tiers.upload_queue import UploadStats
-
 if TYPE_CHECKING:
-    from shared.engine.engine import Engine
-    from shared.serving.worker_tiers import WorkerTiers
+    from kvmesh.engine.engine import Engine
+    from kvmesh.serving.worker_tiers import WorkerTiers
 
 TIER_LABELS = {Tier.L1: "l1", Tier.L2: "l2", Tier.PEER: "peer", Tier.L3: "l3"}
 # From a shared-memory L2 read of one block (~100 us) to an L3 chain over a slow link (tens of seconds).

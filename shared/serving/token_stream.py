@@ -19,9 +19,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.bus.publish import Publisher
-from shared.protocol import subjects
-from shared.protocol.serving import TokenEvent
+from kvmesh.bus.publish import Publisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import TokenEvent
 
 
 def event_msg_id(ev: TokenEvent) -> str:

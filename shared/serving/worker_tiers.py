@@ -18,25 +18,24 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvmesh.config import Settings
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.log import get_logger
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.factory import build_host_tier, build_l3_store
+from kvmesh.tiers.handle import BlockHandle
+from kvmesh.tiers.known_chunks import KnownChunks
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.l3_touch import L3Touches
+from kvmesh.tiers.miss import MissCounters, Tier
+from kvmesh.tiers.namespace import namespace_for
+from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.tiers.peer_shm import ShmPeerClient
+from kvmesh.tiers.resolver import Resolver
+from kvmesh.tiers.upload_queue import UploadQueue
 from nats.aio.client import Client as NATS
-
-from shared.config import Settings
-from shared.engine.kv_block import KVBlock
-from shared.kv_events.publisher import KVEventPublisher
-from shared.log import get_logger
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.factory import build_host_tier, build_l3_store
-from shared.tiers.handle import BlockHandle
-from shared.tiers.known_chunks import KnownChunks
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.l3_touch import L3Touches
-from shared.tiers.miss import MissCounters, Tier
-from shared.tiers.namespace import namespace_for
-from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
-from shared.tiers.peer_shm import ShmPeerClient
-from shared.tiers.resolver import Resolver
-from shared.tiers.upload_queue import UploadQueue
 
 log = get_logger(__name__)
 

@@ -38,10 +38,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.sessions.events import TurnOutcome
-from shared.sessions.lru import lru_entry
-from shared.sessions.predict import Outlook, ReturnPredictor
-
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.lru import lru_entry
+from kvmesh.sessions.predict import Outlook, ReturnPredictor
 
 _NOBODY = ""  # the owner of a block its session no longer sends
 

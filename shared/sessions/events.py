@@ -31,10 +31,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from kvmesh.kv_events.events import HexHash
+from kvmesh.protocol.base import Message
 from pydantic import Field
-
-from shared.kv_events.events import HexHash
-from shared.protocol.base import Message
 
 
 class TurnOutcome(StrEnum):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
 
 TOOL_FINISH_REASONS = frozenset({"tool_calls", "tool_use"})  # OpenAI finish_reason, Anthropic stop_reason
 

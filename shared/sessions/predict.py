@@ -45,9 +45,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shared.sessions.events import TurnOutcome
-from shared.sessions.lru import lru_entry
-from shared.sessions.quantiles import RecentQuantiles
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.lru import lru_entry
+from kvmesh.sessions.quantiles import RecentQuantiles
 
 # Before any gap is observed: a tool runs for seconds, a person replies in minutes; spread as a
 # log-normal of sigma 0.86 (p90 = 3 x median), written as its deciles so the prior is a window too.

@@ -14,8 +14,8 @@ import bisect
 import math
 from collections import defaultdict
 
-from shared.cache_policy.base import BlockInfo
-from shared.sim.trace import Trace
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.sim.trace import Trace
 
 
 class BeladyPolicy:

@@ -14,13 +14,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.cache_policy.base import EvictionPolicy
-from shared.cache_policy.policy_cache import BlockSpec
-from shared.cache_policy.session import SessionAware
-from shared.sim.session_driver import SessionDriver
-from shared.sim.tiers import TieredCache
-from shared.sim.trace import Trace
-from shared.sim.ttft import TTFTModel
+from kvmesh.cache_policy.base import EvictionPolicy
+from kvmesh.cache_policy.policy_cache import BlockSpec
+from kvmesh.cache_policy.session import SessionAware
+from kvmesh.sim.session_driver import SessionDriver
+from kvmesh.sim.tiers import TieredCache
+from kvmesh.sim.trace import Trace
+from kvmesh.sim.ttft import TTFTModel
 
 Progress = Callable[[int], None]
 

@@ -1,6 +1,6 @@
 """Run several policies (and the two references) over one trace at one or many capacities.
 
-Names: the online policies of ``shared.cache_policy.registry`` (the default
+Names: the online policies of ``kvmesh.cache_policy.registry`` (the default
 one is reported as ``default``), plus ``belady`` (offline farthest-next-use
 bound, run over both tiers) and ``infinite`` (a cache that never evicts).
 """
@@ -10,10 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from shared.cache_policy.registry import DEFAULT_POLICY, POLICIES, get_policy
-from shared.sim.belady import BeladyPolicy
-from shared.sim.replay import Progress, ReplayOptions, ReplayResult, infinite_hit_rate, replay
-from shared.sim.trace import Trace
+from kvmesh.cache_policy.registry import DEFAULT_POLICY, POLICIES, get_policy
+from kvmesh.sim.belady import BeladyPolicy
+from kvmesh.sim.replay import (
+    Progress,
+    ReplayOptions,
+    ReplayResult,
+    infinite_hit_rate,
+    replay,
+)
+from kvmesh.sim.trace import Trace
 
 REFERENCES = ("belady", "infinite")
 

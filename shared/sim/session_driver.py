@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.cache_policy.pin_budget import PinBudget
-from shared.cache_policy.session import SessionAware
-from shared.sessions.events import TurnOutcome
-from shared.sessions.inference import SessionInference
-from shared.sim.tiers import TieredCache
-from shared.sim.trace import TraceRequest
+from kvmesh.cache_policy.pin_budget import PinBudget
+from kvmesh.cache_policy.session import SessionAware
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.inference import SessionInference
+from kvmesh.sim.tiers import TieredCache
+from kvmesh.sim.trace import TraceRequest
 
 
 @dataclass(slots=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.cache_policy.base import EvictionPolicy
-from shared.cache_policy.policy_cache import BlockSpec, PolicyCache
+from kvmesh.cache_policy.base import EvictionPolicy
+from kvmesh.cache_policy.policy_cache import BlockSpec, PolicyCache
 
 
 @dataclass(slots=True, frozen=True)

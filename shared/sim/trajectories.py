@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.sim.trace import TRACE_BLOCK_TOKENS
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS
 
 ID_MASK = (1 << 63) - 1
 # SWE-agent declares its own commands in the system prompt as "name:\n  docstring: ...".
@@ -177,8 +177,8 @@ def agent_preset_tokenizer() -> ChatTokenizer:
     """The tokenizer and chat template of the ``agent`` preset (what ``kvmesh up`` serves)."""
     import tempfile
 
-    from shared.engine.presets import write_preset
-    from shared.engine.tokenizer import Tokenizer
+    from kvmesh.engine.presets import write_preset
+    from kvmesh.engine.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         return Tokenizer.from_dir(write_preset(Path(tmp), "agent"))

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.sim.recompute_model import DEFAULT_MFU, GEOMETRIES, H200_PEAK_BF16_FLOPS, Geometry, prefill_flops
+from kvmesh.sim.recompute_model import (
+    DEFAULT_MFU,
+    GEOMETRIES,
+    H200_PEAK_BF16_FLOPS,
+    Geometry,
+    prefill_flops,
+)
 
 # Host DRAM -> H200 over PCIe 5.0 x16 (64 GB/s per direction): about half of it for paged, scattered KV.
 DEFAULT_L2_GBPS = 25.0

@@ -1,7 +1,7 @@
 """Declare every stream, consumer and KV bucket on the stack's NATS (create-or-update).
 
 This is the one place `kvmesh up` touches JetStream definitions; what they
-are lives in ``shared.protocol.streams``. A fresh cluster answers JetStream
+are lives in ``kvmesh.protocol.streams``. A fresh cluster answers JetStream
 API calls only once it has elected a meta leader (and R3 streams only once
 enough peers joined), so failures are retried until the deadline.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.bus.client_auth import ClientAuth, connect_kwargs
-from shared.stack.errors import ExitCode, StackError
+from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
+from kvmesh.stack.errors import ExitCode, StackError
 
 RETRY_S = 0.25
 CALL_TIMEOUT_S = 1.0  # per JetStream API call; short, so a retry follows soon after the meta leader is elected
@@ -20,7 +20,7 @@ CALL_TIMEOUT_S = 1.0  # per JetStream API call; short, so a retry follows soon a
 
 def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> None:
     """nats_url may list a cluster's nodes, comma separated; `auth`: a user allowed to declare (admin)."""
-    from shared.protocol.streams import StreamConfigConflict
+    from kvmesh.protocol.streams import StreamConfigConflict
 
     try:
         asyncio.run(_declare(nats_url, replicas, time.monotonic() + timeout_s, auth))
@@ -32,7 +32,7 @@ def declare_streams(nats_url: str, replicas: int, timeout_s: float = 30.0, auth:
 
 async def _declare(nats_url: str, replicas: int, deadline: float, auth: ClientAuth | None) -> None:
     import nats
-    from shared.protocol.streams import StreamConfigConflict, declare_all
+    from kvmesh.protocol.streams import StreamConfigConflict, declare_all
 
     nc = await nats.connect(**connect_kwargs(nats_url, auth), connect_timeout=5, max_reconnect_attempts=2,
                             allow_reconnect=False)

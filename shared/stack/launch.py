@@ -18,14 +18,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.bus.client_auth import ClientAuth
-from shared.config import Settings
-from shared.stack.credentials import S3Credentials
-from shared.stack.errors import ExitCode, StackError
-from shared.stack.nats_access import NatsTls
-from shared.stack.nats_credentials import NatsCredentials, load_or_create_nats_credentials, service_role
-from shared.stack.procs import start_ticks
-from shared.stack.servers import (
+from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.config import Settings
+from kvmesh.stack.credentials import S3Credentials
+from kvmesh.stack.errors import ExitCode, StackError
+from kvmesh.stack.nats_access import NatsTls
+from kvmesh.stack.nats_credentials import (
+    NatsCredentials,
+    load_or_create_nats_credentials,
+    service_role,
+)
+from kvmesh.stack.procs import start_ticks
+from kvmesh.stack.servers import (
     BinaryMissingError,
     ManagedProcess,
     NatsNodePorts,
@@ -36,8 +40,8 @@ from shared.stack.servers import (
     nats_cluster,
     port_in_use,
 )
-from shared.stack.services import ServiceSpec
-from shared.stack.state import Endpoint, ProcessRecord
+from kvmesh.stack.services import ServiceSpec
+from kvmesh.stack.state import Endpoint, ProcessRecord
 
 CLUSTER_NAME = "kvmesh-nats"  # nodes are kvmesh-nats-<i>; stable names keep their JetStream data across restarts
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.stack.errors import ExitCode, StackError
+from kvmesh.stack.errors import ExitCode, StackError
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ def default_model_dir(state_dir: Path, model: BundledModel = SMOLLM2) -> Path:
 
 def preset_model_dir(state_dir: Path, preset: str) -> Path:
     """`<state_dir>/models/<preset>`: a seeded random-weight preset, written the first time."""
-    from shared.engine.presets import (  # torch: only paid the first time
+    from kvmesh.engine.presets import (  # torch: only paid the first time
         PRESETS,
         write_preset,
     )
@@ -81,8 +81,8 @@ def resolve_model_dir(explicit: Path | None, state_dir: Path, needed: bool, pres
 
 
 def _import_checked(src: Path, out: Path, model: BundledModel) -> None:
-    from shared.engine.checkpoint_error import CheckpointError
-    from shared.engine.gguf_import import (  # torch and gguf: only paid the first time
+    from kvmesh.engine.checkpoint_error import CheckpointError
+    from kvmesh.engine.gguf_import import (  # torch and gguf: only paid the first time
         import_gguf,
         sha256_file,
     )

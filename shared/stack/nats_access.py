@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.bus.auth_config import NatsUser
+from kvmesh.bus.auth_config import NatsUser
 
 
 @dataclass(frozen=True, slots=True)

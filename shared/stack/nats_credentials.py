@@ -14,10 +14,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.bus.auth_config import NatsUser
-from shared.bus.client_auth import ClientAuth
-from shared.bus.permissions import ADMIN, ROLES, inbox_prefix, permissions
-from shared.stack.nats_access import NatsAuth, write_private
+from kvmesh.bus.auth_config import NatsUser
+from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.bus.permissions import ADMIN, ROLES, inbox_prefix, permissions
+from kvmesh.stack.nats_access import NatsAuth, write_private
 
 NATS_CREDENTIALS_FILE = "nats-credentials.json"
 ADMIN_USER = "admin"

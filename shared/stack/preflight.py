@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.stack.credentials import S3Credentials
-from shared.stack.errors import ExitCode, StackError
-from shared.stack.probe import host_port, nats_ready, s3_client, tcp_reachable
-from shared.stack.servers import BinaryMissingError, find_binary, port_in_use
+from kvmesh.stack.credentials import S3Credentials
+from kvmesh.stack.errors import ExitCode, StackError
+from kvmesh.stack.probe import host_port, nats_ready, s3_client, tcp_reachable
+from kvmesh.stack.servers import BinaryMissingError, find_binary, port_in_use
 
 
 def ensure_writable(state_dir: Path) -> None:

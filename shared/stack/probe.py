@@ -14,8 +14,8 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from shared.stack.credentials import S3Credentials
-from shared.stack.state import Endpoint
+from kvmesh.stack.credentials import S3Credentials
+from kvmesh.stack.state import Endpoint
 
 TIMEOUT_S = 1.0
 

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.stack.servers import pid_alive
-from shared.stack.state import ProcessRecord, StackState
+from kvmesh.stack.servers import pid_alive
+from kvmesh.stack.state import ProcessRecord, StackState
 
 
 def start_ticks(pid: int) -> int:

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.bus.auth_config import render_accounts
-from shared.stack.nats_access import NatsAuth, NatsTls, write_private
+from kvmesh.bus.auth_config import render_accounts
+from kvmesh.stack.nats_access import NatsAuth, NatsTls, write_private
 
 
 class ServerError(RuntimeError):

@@ -15,16 +15,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.stack.credentials import S3Credentials
-from shared.stack.nats_credentials import NatsCredentials
-from shared.stack.errors import ExitCode, StackError
-from shared.stack.servers import ManagedProcess, free_port, spawn_process
+from kvmesh.stack.credentials import S3Credentials
+from kvmesh.stack.errors import ExitCode, StackError
+from kvmesh.stack.nats_credentials import NatsCredentials
+from kvmesh.stack.servers import ManagedProcess, free_port, spawn_process
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceSpec:
     name: str  # package directory name, e.g. "prefill"
-    module: str  # what `python -m` runs, e.g. "services.prefill"
+    module: str  # what `python -m` runs, e.g. "kvmesh.services.prefill"
     replicas: int
 
 

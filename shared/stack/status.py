@@ -6,14 +6,20 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared.config import Settings
-from shared.serving.audit_status import read_audit_counts
-from shared.stack.belady_status import read_live_belady
-from shared.stack.credentials import S3Credentials, read_credentials
-from shared.stack.probe import EndpointStatus, check_endpoint
-from shared.stack.procs import ProcessStatus, is_ours, launcher_alive, process_status, stop_in_order
-from shared.stack.servers import stop_pid
-from shared.stack.state import ProcessRecord, StackState, load_state, remove_state
+from kvmesh.config import Settings
+from kvmesh.serving.audit_status import read_audit_counts
+from kvmesh.stack.belady_status import read_live_belady
+from kvmesh.stack.credentials import S3Credentials, read_credentials
+from kvmesh.stack.probe import EndpointStatus, check_endpoint
+from kvmesh.stack.procs import (
+    ProcessStatus,
+    is_ours,
+    launcher_alive,
+    process_status,
+    stop_in_order,
+)
+from kvmesh.stack.servers import stop_pid
+from kvmesh.stack.state import ProcessRecord, StackState, load_state, remove_state
 
 
 @dataclass(slots=True)

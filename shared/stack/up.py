@@ -17,24 +17,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import Settings
-from shared.stack.credentials import S3Credentials, load_or_create_credentials
-from shared.stack.declare import declare_streams
-from shared.stack.errors import ExitCode, StackError
-from shared.stack.launch import (
-    local_nats, process_record, stack_admin_auth, stack_nats_tls, stack_nats_users, start_nats, start_s3,
+from kvmesh.config import Settings
+from kvmesh.stack.credentials import S3Credentials, load_or_create_credentials
+from kvmesh.stack.declare import declare_streams
+from kvmesh.stack.errors import ExitCode, StackError
+from kvmesh.stack.launch import (
+    local_nats,
+    process_record,
+    stack_admin_auth,
+    stack_nats_tls,
+    stack_nats_users,
+    start_nats,
+    start_s3,
 )
-from shared.stack.model import resolve_model_dir
-from shared.stack.nats_credentials import NatsCredentials
-from shared.stack.preflight import (
-    check_external_nats, check_external_s3, ensure_binaries, ensure_ports_free, ensure_writable,
+from kvmesh.stack.model import resolve_model_dir
+from kvmesh.stack.nats_credentials import NatsCredentials
+from kvmesh.stack.preflight import (
+    check_external_nats,
+    check_external_s3,
+    ensure_binaries,
+    ensure_ports_free,
+    ensure_writable,
 )
-from shared.stack.probe import check_endpoint, host_port
-from shared.stack.procs import is_ours, launcher_alive, start_ticks, stop_in_order
-from shared.stack.servers import valid_nats_cluster_size
-from shared.stack.services import ServiceContext, build_specs, discover_services, start_service
-from shared.stack.state import Endpoint, StackState, claim_state, load_state, remove_state, save_state
-
+from kvmesh.stack.probe import check_endpoint, host_port
+from kvmesh.stack.procs import is_ours, launcher_alive, start_ticks, stop_in_order
+from kvmesh.stack.servers import valid_nats_cluster_size
+from kvmesh.stack.services import (
+    ServiceContext,
+    build_specs,
+    discover_services,
+    start_service,
+)
+from kvmesh.stack.state import (
+    Endpoint,
+    StackState,
+    claim_state,
+    load_state,
+    remove_state,
+    save_state,
+)
 
 # Ctrl-C, `kill`, and the terminal closing all stop the stack cleanly instead of orphaning it.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -142,7 +163,10 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
                          nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None)
     if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
-        from shared.ingress.auth import KEYS_FILE, ensure_dev_key  # the stack needs fastapi only here
+        from kvmesh.ingress.auth import (  # the stack needs fastapi only here
+            KEYS_FILE,
+            ensure_dev_key,
+        )
 
         keys_file = settings.ingress.keys_file or state_dir / KEYS_FILE
         key = ensure_dev_key(keys_file)
@@ -150,7 +174,9 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
         say(f"API: http://{settings.ingress.host}:{settings.ingress.port}/v1 (OpenAI and Anthropic dialects)")
     if any(s.name == "ingress" and s.replicas for s in specs) and not (
             settings.ingress_secret or settings.ingress.secret_file):
-        from shared.ingress.salt_secret import ensure_dev_secret  # dev mode: the salt secret lives in the state dir
+        from kvmesh.ingress.salt_secret import (
+            ensure_dev_secret,  # dev mode: the salt secret lives in the state dir
+        )
 
         if ensure_dev_secret(state_dir):
             say(f"created the ingress salt secret {state_dir}/ingress_secret (keep it: a new one is a cold cache)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+
 class Arena(Protocol):
     def write(self, key: bytes, data) -> bool: ...
     def read(self, key: bytes) -> memoryview | None: ...

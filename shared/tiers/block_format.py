@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import xxhash
-
-from shared.engine.kv_block import KVBlock
-from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 MAGIC = b"KVMB"
 FORMAT_VERSION = 1

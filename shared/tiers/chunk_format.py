@@ -13,9 +13,8 @@ from __future__ import annotations
 import struct
 
 import xxhash
-
-from shared.tiers.block_format import decode_header
-from shared.tiers.miss import BlockMiss, MissReason
+from kvmesh.tiers.block_format import decode_header
+from kvmesh.tiers.miss import BlockMiss, MissReason
 
 CHUNK_MAGIC = b"KVMC"
 CHUNK_VERSION = 1

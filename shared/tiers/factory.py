@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from shared.cache_policy.registry import get_policy
-from shared.config import Settings
-from shared.stack.credentials import read_credentials
-from shared.tiers.arena import HeapArena
-from shared.tiers.circuit_breaker import CircuitBreaker
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import MissCounters
-from shared.tiers.s3_client import fast_fail_client
-from shared.tiers.shm_slab import MIN_BLOCK_BYTES, SlabArena
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.config import Settings
+from kvmesh.stack.credentials import read_credentials
+from kvmesh.tiers.arena import HeapArena
+from kvmesh.tiers.circuit_breaker import CircuitBreaker
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import MissCounters
+from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.shm_slab import MIN_BLOCK_BYTES, SlabArena
 
 
 def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counters: MissCounters,

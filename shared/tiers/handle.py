@@ -8,9 +8,8 @@ stale copy even if it decodes cleanly.
 
 from __future__ import annotations
 
+from kvmesh.tiers.miss import Tier
 from pydantic import BaseModel, ConfigDict
-
-from shared.tiers.miss import Tier
 
 
 class BlockHandle(BaseModel):

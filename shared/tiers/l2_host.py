@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
-from shared.engine.kv_block import KVBlock
-from shared.tiers.arena import Arena, HeapArena
-from shared.tiers.block_format import (
+from kvmesh.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.tiers.arena import Arena, HeapArena
+from kvmesh.tiers.block_format import (
     BlockHeader,
     StoredBlock,
     checksum_of,
@@ -28,8 +28,8 @@ from shared.tiers.block_format import (
     encode_kv_block,
     header_for,
 )
-from shared.tiers.handle import BlockHandle
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.handle import BlockHandle
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
 
 
 @dataclass(slots=True)

@@ -41,18 +41,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import urllib3
+from kvmesh.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
+from kvmesh.tiers.chunk_format import (
+    Entry,
+    chunk_entries,
+    decode_toc,
+    encode_chunk,
+    toc_size,
+)
+from kvmesh.tiers.circuit_breaker import CircuitBreaker
+from kvmesh.tiers.handle import BlockHandle
+from kvmesh.tiers.key_locks import KeyLocks
+from kvmesh.tiers.known_chunks import KnownChunks
+from kvmesh.tiers.l3_touch import L3Touches
+from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 from minio import Minio
 from minio.commonconfig import REPLACE, CopySource
 from minio.error import MinioException, S3Error
-
-from shared.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
-from shared.tiers.chunk_format import Entry, chunk_entries, decode_toc, encode_chunk, toc_size
-from shared.tiers.circuit_breaker import CircuitBreaker
-from shared.tiers.handle import BlockHandle
-from shared.tiers.key_locks import KeyLocks
-from shared.tiers.known_chunks import KnownChunks
-from shared.tiers.l3_touch import L3Touches
-from shared.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
 
 ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"})  # S3's "no such object"
 # What an object can show that makes it useless for good. Not an unknown format version (a newer

@@ -14,12 +14,10 @@ from contextlib import asynccontextmanager
 import httpx
 import uvicorn
 from fastapi import APIRouter, FastAPI, Response
-
-from shared.stack.servers import free_port
-
-from shared.tiers.block_format import StoredBlock, decode_or_miss
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.stack.servers import free_port
+from kvmesh.tiers.block_format import StoredBlock, decode_or_miss
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
 
 BLOCK_ROUTE = "/kv/blocks/{block_hash}"
 

@@ -24,16 +24,15 @@ import asyncio
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-
-from shared.aio import wait_event
-from shared.log import get_logger
-from shared.transfer.credit_window import CreditWindow, TransferCancelled
-from shared.transfer.links import Link, NatsPyLink, open_link
-from shared.transfer.nats_wire import NatsWire
-from shared.transfer.pieces import (
+from kvmesh.aio import wait_event
+from kvmesh.log import get_logger
+from kvmesh.tiers.block_format import StoredBlock, decode_or_miss
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.transfer.credit_window import CreditWindow, TransferCancelled
+from kvmesh.transfer.links import Link, NatsPyLink, open_link
+from kvmesh.transfer.nats_wire import NatsWire
+from kvmesh.transfer.pieces import (
     BlockAssembly,
     decode_credit,
     decode_request,
@@ -42,9 +41,9 @@ from shared.transfer.pieces import (
     max_hashes,
     pack_messages,
 )
-from shared.tiers.block_format import StoredBlock, decode_or_miss
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 log = get_logger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.tiers.block_format import StoredBlock, decode_or_miss
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
-from shared.tiers.shm_slab import SlabReader
+from kvmesh.tiers.block_format import StoredBlock, decode_or_miss
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.shm_slab import SlabReader
 
 
 class ShmPeerClient:

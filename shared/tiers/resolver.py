@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.engine.kv_block import KVBlock
-from shared.tiers.block_format import StoredBlock
-from shared.tiers.handle import BlockHandle
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.tiers.block_format import StoredBlock
+from kvmesh.tiers.handle import BlockHandle
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
 
 
 class L1Source(Protocol):

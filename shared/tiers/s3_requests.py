@@ -10,9 +10,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from kvmesh.tiers.s3_client import fast_fail_pool
 from minio import Minio
-
-from shared.tiers.s3_client import fast_fail_pool
 
 
 class CountingMinio(Minio):

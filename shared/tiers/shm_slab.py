@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
-from shared.tiers.extents import ExtentAllocator
+from kvmesh.tiers.extents import ExtentAllocator
 
 SHM_DIR = "/dev/shm"  # Linux: where shm_open names live
 MAGIC = b"KVMSLAB1"

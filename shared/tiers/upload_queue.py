@@ -43,8 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.aio import wait_event
-from shared.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
+from kvmesh.aio import wait_event
+from kvmesh.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
 
 _CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
 

@@ -15,8 +15,8 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from shared.toolcalls.formats import ToolFormat
-from shared.toolcalls.stream import StreamedCall, ToolCallStream
+from kvmesh.toolcalls.formats import ToolFormat
+from kvmesh.toolcalls.stream import StreamedCall, ToolCallStream
 
 
 @dataclass(slots=True)

@@ -35,8 +35,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from shared.toolcalls.call_object import ObjectScan, scan_char
-from shared.toolcalls.formats import ToolFormat
+from kvmesh.toolcalls.call_object import ObjectScan, scan_char
+from kvmesh.toolcalls.formats import ToolFormat
+
 
 def new_call_id() -> str:
     """An OpenAI-style tool call id: `call_` and 24 hex digits."""

@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.streams import TRAFFIC
+from kvmesh.protocol.traffic import TrafficRecord
 from nats.js import JetStreamContext, api
-
-from shared.protocol import subjects
-from shared.protocol.base import ProtocolError
-from shared.protocol.streams import TRAFFIC
-from shared.protocol.traffic import TrafficRecord
 
 FETCH_BATCH = 512
 FETCH_TIMEOUT_S = 5.0  # per batch; the messages are already in the stream

@@ -6,13 +6,12 @@ import dataclasses
 from pathlib import Path
 
 import nats
-
-from shared.bus.client_auth import connect_kwargs
-from shared.config import load_settings
-from shared.protocol.traffic import TrafficRecord
-from shared.stack.nats_credentials import admin_auth
-from shared.stack.state import load_state
-from shared.traffic.reader import read_records
+from kvmesh.bus.client_auth import connect_kwargs
+from kvmesh.config import load_settings
+from kvmesh.protocol.traffic import TrafficRecord
+from kvmesh.stack.nats_credentials import admin_auth
+from kvmesh.stack.state import load_state
+from kvmesh.traffic.reader import read_records
 
 CONNECT_TIMEOUT_S = 5
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from shared.protocol.traffic import TrafficRecord
+from kvmesh.protocol.traffic import TrafficRecord
 
 
 def to_trace_line(record: TrafficRecord, origin: float | None = None) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.aio import wait_event
+from kvmesh.aio import wait_event
 
 
 class TransferCancelled(Exception):

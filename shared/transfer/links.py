@@ -15,11 +15,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvmesh.log import get_logger
+from kvmesh.transfer.nats_wire import Handler, NatsWire, WireUnsupported
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-
-from shared.log import get_logger
-from shared.transfer.nats_wire import Handler, NatsWire, WireUnsupported
 
 log = get_logger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from shared.tiers.block_format import StoredBlock
-from shared.tiers.miss import Miss
+from kvmesh.tiers.block_format import StoredBlock
+from kvmesh.tiers.miss import Miss
 
 
 @runtime_checkable

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from bench.agent_workload import TRAJ_DIR, build_agent_workload
+from kvmesh.bench.agent_workload import TRAJ_DIR, build_agent_workload
 
 SYSTEM = "You are an agent.\nCOMMANDS:\nopen:\n  docstring: opens a file\n"
 

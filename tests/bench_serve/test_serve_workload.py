@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.serve import Sample, _pct, summarize
-from bench.serve_workload import TRAJ_DIR, build_workload
+from kvmesh.bench.serve import Sample, _pct, summarize
+from kvmesh.bench.serve_workload import TRAJ_DIR, build_workload
 
 
 def test_synthetic_workload_is_deterministic_and_distinct(tmp_path: Path) -> None:

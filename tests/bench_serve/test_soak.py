@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvmesh.bench.soak import judge
+from kvmesh.cli.main import app
 from typer.testing import CliRunner
-
-from bench.soak import judge
-from shared.cli.main import app
 
 
 def _samples(fds: list[int], rss: list[float]) -> list[dict]:

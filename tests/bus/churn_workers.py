@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from kvmesh.config import BusSettings, ServiceSettings, Settings
+from kvmesh.eviction.worker_commands import command_consumer
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import DECODE_ANY, HANDOFF_ANY, PREFILL_ANY
+from kvmesh.service.runner import ServiceContext, ServiceRunner, Setup
+from kvmesh.serving.services import own_job_consumers
 from nats.aio.msg import Msg
-
-from shared.config import BusSettings, ServiceSettings, Settings
-from shared.eviction.worker_commands import command_consumer
-from shared.protocol.messages import Role
-from shared.protocol.streams import DECODE_ANY, HANDOFF_ANY, PREFILL_ANY
-from shared.service.runner import ServiceContext, ServiceRunner, Setup
-from shared.serving.services import own_job_consumers
 
 SHARED = {Role.PREFILL: (PREFILL_ANY,), Role.DECODE: (HANDOFF_ANY, DECODE_ANY)}
 

@@ -6,13 +6,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from kvmesh.bus.connection import close, connect
+from kvmesh.config import BusSettings
+from kvmesh.protocol.streams import declare_all
 from nats.aio.client import Client as NATS
-
 from waits import until
-
-from shared.bus.connection import close, connect
-from shared.config import BusSettings
-from shared.protocol.streams import declare_all
 
 # Short deadlines so failing tests fail fast.
 FAST_BUS = BusSettings(

@@ -13,20 +13,24 @@ import nats
 import nats.errors
 import pytest
 import torch
+from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.permissions import inbox_prefix, permissions
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.config import BusSettings
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import JOBS, declare_all, declare_consumer, worker_consumer
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissCounters
+from kvmesh.tiers.peer_nats import (
+    NatsPeerClient,
+    NatsPeerServer,
+    peer_credit_subject,
+    peer_fetch_subject,
+)
+from kvmesh.transfer.nats_wire import NatsWire
 from nats.aio.client import Client as NATS
-
-from shared.bus.client_auth import ClientAuth, connect_kwargs
-from shared.bus.connection import close, connect
-from shared.bus.permissions import inbox_prefix, permissions
-from shared.cache_policy.base import LRUPolicy
-from shared.config import BusSettings
-from shared.engine.kv_block import KVBlock
-from shared.protocol import subjects
-from shared.protocol.streams import JOBS, declare_all, declare_consumer, worker_consumer
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissCounters
-from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer, peer_credit_subject, peer_fetch_subject
-from shared.transfer.nats_wire import NatsWire
 
 WAIT_S = 10.0
 FP = "fp-auth-test"

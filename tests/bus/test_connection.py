@@ -6,9 +6,9 @@ import asyncio
 import threading
 
 import pytest
+from kvmesh.bus.connection import connect
+from kvmesh.stack.servers import free_port
 
-from shared.bus.connection import connect
-from shared.stack.servers import free_port
 from tests.waits import until
 
 from .helpers import FAST_BUS

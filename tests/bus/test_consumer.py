@@ -6,16 +6,15 @@ import asyncio
 import time
 
 import structlog
+from kvmesh.bus.connection import connect
+from kvmesh.bus.consumer import ConsumerLoop, PermanentError, typed
+from kvmesh.bus.publish import Publisher
+from kvmesh.log import bind_request
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import ErrorReply
+from kvmesh.protocol.streams import DEAD_LETTER, JOBS, ConsumerSpec
 from nats.aio.msg import Msg
-
-from shared.bus.connection import connect
-from shared.bus.consumer import ConsumerLoop, PermanentError, typed
-from shared.bus.publish import Publisher
-from shared.log import bind_request
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import ErrorReply
-from shared.protocol.streams import DEAD_LETTER, JOBS, ConsumerSpec
 
 from .helpers import FAST_BUS, connected, eventually, unique
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.bus.consumer import ConsumerLoop
-from shared.bus.publish import Publisher
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.streams import JOBS, PREFILL_ANY, worker_consumer
+from kvmesh.bus.consumer import ConsumerLoop
+from kvmesh.bus.publish import Publisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import JOBS, PREFILL_ANY, worker_consumer
 
 from .helpers import FAST_BUS
 from .test_auth import WAIT_S, bus  # noqa: F401 - the fixture: clients by user, streams declared by admin

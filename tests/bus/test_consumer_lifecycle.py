@@ -15,17 +15,23 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from kvmesh.bus.consumer import ConsumerLoop
+from kvmesh.bus.publish import Publisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import (
+    ALL_CONSUMERS,
+    COMMANDS,
+    HANDOFF,
+    JOBS,
+    declare_consumer,
+    worker_consumer,
+)
+from kvmesh.serving.services import own_job_consumers
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-
-from shared.bus.consumer import ConsumerLoop
-from shared.bus.publish import Publisher
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.protocol.streams import ALL_CONSUMERS, COMMANDS, HANDOFF, JOBS, declare_consumer, worker_consumer
-from shared.serving.services import own_job_consumers
 
 from .churn_workers import runner
 from .helpers import FAST_BUS, connected, eventually, unique

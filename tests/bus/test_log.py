@@ -7,8 +7,7 @@ import logging
 
 import pytest
 import structlog
-
-from shared.log import bind_request, configure_logging, get_logger
+from kvmesh.log import bind_request, configure_logging, get_logger
 
 
 @pytest.fixture

@@ -6,10 +6,14 @@ import json
 from datetime import UTC, datetime
 
 import pytest
-
-from shared.protocol import subjects
-from shared.protocol.base import Message, MessageDecodeError, ProtocolError, SchemaVersionError
-from shared.protocol.messages import Heartbeat, Role
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import (
+    Message,
+    MessageDecodeError,
+    ProtocolError,
+    SchemaVersionError,
+)
+from kvmesh.protocol.messages import Heartbeat, Role
 
 
 def _hb() -> Heartbeat:

@@ -6,13 +6,12 @@ import asyncio
 import re
 
 import pytest
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.publish import Publisher, PublishError, is_transient
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import KV_EVENTS, declare_all
 from waits import until
-
-from shared.bus.connection import close, connect
-from shared.bus.publish import Publisher, PublishError, is_transient
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.streams import KV_EVENTS, declare_all
 
 from .helpers import FAST_BUS, connected, unique
 

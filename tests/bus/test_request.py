@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 import structlog
-
-from shared.bus.request import NoResponders, RemoteError, RequestTimeout, request, serve
-from shared.log import bind_request
-from shared.protocol.base import Message
+from kvmesh.bus.request import NoResponders, RemoteError, RequestTimeout, request, serve
+from kvmesh.log import bind_request
+from kvmesh.protocol.base import Message
 
 from .helpers import connected, unique
 

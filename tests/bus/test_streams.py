@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvmesh.protocol import streams
+from kvmesh.protocol.streams import StreamSpec, declare_all, declare_stream
 from nats.js import api
-
-from shared.protocol import streams
-from shared.protocol.streams import StreamSpec, declare_all, declare_stream
 
 from .helpers import connected, unique
 
@@ -73,12 +72,10 @@ def test_a_stream_the_release_cannot_update_stops_up_with_what_to_do(fresh_nats_
     declaration fails at once with one message naming the stream and the ways on, and deletes nothing."""
     import asyncio
 
-    import pytest
-
-    from shared.stack.declare import declare_streams
-    from shared.stack.errors import StackError
-
     import nats
+    import pytest
+    from kvmesh.stack.declare import declare_streams
+    from kvmesh.stack.errors import StackError
 
     async def older_release() -> None:
         nc = await nats.connect(fresh_nats_server.url)

@@ -16,13 +16,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-
-from shared.bus.client_auth import ClientAuth, connect_kwargs
-from shared.bus.connection import close, connect
-from shared.config import BusSettings
-from shared.stack.nats_access import NatsTls
-from shared.stack.nats_credentials import load_or_create_nats_credentials
-from shared.stack.servers import NatsServer
+from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
+from kvmesh.bus.connection import close, connect
+from kvmesh.config import BusSettings
+from kvmesh.stack.nats_access import NatsTls
+from kvmesh.stack.nats_credentials import load_or_create_nats_credentials
+from kvmesh.stack.servers import NatsServer
 
 QUICK = BusSettings(connect_timeout_s=2.0, connect_retry_total_s=3.0, reconnect_wait_max_s=0.2)
 

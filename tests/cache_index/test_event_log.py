@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import key_of
-from shared.kv_events.event_log import EventLog
-from shared.kv_events.events import BlockMoved, BlockRemoved, BlockStored, WorkerCleared
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.feeds import IndexState
+from kvmesh.cache_index.index import key_of
+from kvmesh.kv_events.event_log import EventLog
+from kvmesh.kv_events.events import BlockMoved, BlockRemoved, BlockStored, WorkerCleared
+from kvmesh.tiers.miss import Tier
 
 
 def chain(n: int, salt: str = "") -> list[bytes]:

@@ -13,13 +13,12 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shared.cache_index.feeds import IndexState
-from shared.cache_index.index import key_of
-from shared.kv_events.event_log import EventLog
-from shared.kv_events.events import BlockStored, KVEventBatch
-from shared.protocol.base import ProtocolError
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.feeds import IndexState
+from kvmesh.cache_index.index import key_of
+from kvmesh.kv_events.event_log import EventLog
+from kvmesh.kv_events.events import BlockStored, KVEventBatch
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.tiers.miss import Tier
 
 WORKERS = ("w0", "w1", "w2")
 GRACE_S = 3.0

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvmesh.bench.fleet import lookup_legs
+from kvmesh.cli.main import app
 from typer.testing import CliRunner
-
-from bench.fleet import lookup_legs
-from shared.cli.main import app
 
 
 def _tiny_trace(path: Path) -> Path:

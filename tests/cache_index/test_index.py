@@ -7,11 +7,10 @@ import hashlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_index import snapshot
-from shared.cache_index.feeds import Feed, IndexState
-from shared.cache_index.index import BlockIndex, TierRunResult, key_of
-from shared.tiers.miss import Tier
+from kvmesh.cache_index import snapshot
+from kvmesh.cache_index.feeds import Feed, IndexState
+from kvmesh.cache_index.index import BlockIndex, TierRunResult, key_of
+from kvmesh.tiers.miss import Tier
 
 
 def keys(n: int, salt: str = "") -> list[int]:

@@ -1,4 +1,4 @@
-"""`python -m services.cache_index` as a process: ready, lookups, SIGTERM -> snapshot, restart -> snapshot + replay."""
+"""`python -m kvmesh.services.cache_index` as a process: ready, lookups, SIGTERM -> snapshot, restart -> snapshot + replay."""
 
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import sys
 
 import httpx
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.publish import Publisher
-from shared.bus.request import request
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.config import IndexSettings
-from shared.kv_events.publisher import KVEventPublisher
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.heartbeat import HeartbeatLoop
-from shared.stack.servers import free_port
-from shared.tiers.miss import Tier
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import request
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.config import IndexSettings
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.stack.servers import free_port
+from kvmesh.tiers.miss import Tier
 
 from .test_service import chain
 
@@ -32,7 +31,7 @@ def _start(url: str, port: int, snap: str) -> subprocess.Popen:
            "KVMESH_SERVICE__WORKER_ID": unique("idx"), "KVMESH_INDEX__SNAPSHOT_NAME": snap,
            "KVMESH_SERVICE__HEARTBEAT_INTERVAL_S": "0.3", "KVMESH_SERVICE__HEARTBEAT_TTL_S": "2",
            "KVMESH_LOG_LEVEL": "info"}
-    return subprocess.Popen([sys.executable, "-m", "services.cache_index"], env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "kvmesh.services.cache_index"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 

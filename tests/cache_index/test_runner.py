@@ -6,18 +6,22 @@ import asyncio
 
 import httpx
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.publish import Publisher
-from shared.bus.request import request
-from shared.cache_index import snapshot
-from shared.cache_index.messages import LookupReply, LookupRequest, SnapshotReply, SnapshotRequest
-from shared.cache_index.service import setup_cache_index
-from shared.config import IndexSettings, ServiceSettings, Settings
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.runner import ServiceRunner
-from shared.tiers.miss import Tier
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import request
+from kvmesh.cache_index import snapshot
+from kvmesh.cache_index.messages import (
+    LookupReply,
+    LookupRequest,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from kvmesh.cache_index.service import setup_cache_index
+from kvmesh.config import IndexSettings, ServiceSettings, Settings
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.runner import ServiceRunner
+from kvmesh.tiers.miss import Tier
 
 from .test_service import chain
 

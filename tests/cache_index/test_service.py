@@ -12,21 +12,20 @@ from contextlib import asynccontextmanager
 
 import pytest
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.publish import Publisher
-from shared.bus.request import request, serve
-from shared.cache_index.client import lookup_prefix
-from shared.cache_index.messages import LookupReply, LookupRequest
-from shared.cache_index.service import CacheIndex
-from shared.config import IndexSettings
-from shared.kv_events.dump import DumpError, fetch_dump, serve_dump
-from shared.kv_events.event_log import EventLog
-from shared.kv_events.publisher import KVEventPublisher
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.heartbeat import HeartbeatLoop
-from shared.tiers.miss import Tier
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import request, serve
+from kvmesh.cache_index.client import lookup_prefix
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.config import IndexSettings
+from kvmesh.kv_events.dump import DumpError, fetch_dump, serve_dump
+from kvmesh.kv_events.event_log import EventLog
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.tiers.miss import Tier
 
 
 def chain(n: int, salt: str) -> list[bytes]:

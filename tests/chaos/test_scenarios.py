@@ -16,10 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from chaos.load import Load
-from chaos.scenarios import SCENARIOS, run
-from chaos.stack import API_KEY, ChaosStack
+from kvmesh.chaos.load import Load
+from kvmesh.chaos.scenarios import SCENARIOS, run
+from kvmesh.chaos.stack import API_KEY, ChaosStack
 
 pytestmark = pytest.mark.timeout(600)
 

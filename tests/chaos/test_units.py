@@ -8,10 +8,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from kvmesh.chaos.proxy import Fault, FaultProxy
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
 from prometheus_client import CollectorRegistry, generate_latest
-
-from chaos.proxy import Fault, FaultProxy
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
 
 
 @pytest.fixture
@@ -114,9 +113,9 @@ def test_miss_counters_exported_to_prometheus() -> None:
 
 def test_overload_error_carries_retry_after() -> None:
     """Found by the overload scenario: a 503 for too many in flight had no Retry-After."""
-    from shared.ingress.app import gateway_api_error
-    from shared.ingress.errors import Dialect, ErrorKind
-    from shared.ingress.gateway import GatewayError
+    from kvmesh.ingress.app import gateway_api_error
+    from kvmesh.ingress.errors import Dialect, ErrorKind
+    from kvmesh.ingress.gateway import GatewayError
 
     busy = gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "too many requests in flight (6)"))
     assert busy.status(Dialect.OPENAI) == 503 and busy.headers() == {"retry-after": "1"}
@@ -124,13 +123,13 @@ def test_overload_error_carries_retry_after() -> None:
 
 
 def _outcomes(spec: list[tuple[float, float, bool]]) -> list:
-    from chaos.load import Outcome
+    from kvmesh.chaos.load import Outcome
 
     return [Outcome("p", start, start + latency, ok) for start, latency, ok in spec]
 
 
 def test_recovery_is_the_first_window_whose_p99_is_back() -> None:
-    from chaos.invariants import RECOVERY_WINDOW_S, recovery_s
+    from kvmesh.chaos.invariants import RECOVERY_WINDOW_S, recovery_s
 
     steady = [(100.0 + 0.5 * i, 0.2, True) for i in range(60)]  # a request every 0.5 s, 200 ms each
     assert recovery_s(_outcomes(steady), 100.0, 200.0) == 0.0

@@ -10,13 +10,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shared.config import ConstraintSettings
-from shared.constrain.bounds import KEY_PATTERN, bound_schema
-from shared.constrain.masks import MaskFiller
-from shared.constrain.matcher import GrammarCompiler
-from shared.engine.tokenizer import Tokenizer
-from shared.protocol.serving import Constraint
+from kvmesh.config import ConstraintSettings
+from kvmesh.constrain.bounds import KEY_PATTERN, bound_schema
+from kvmesh.constrain.masks import MaskFiller
+from kvmesh.constrain.matcher import GrammarCompiler
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.protocol.serving import Constraint
 
 BOUNDS = ConstraintSettings()
 EOS = (1, 4)

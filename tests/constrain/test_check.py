@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
-from shared.constrain.check import ConstraintError, validate
-from shared.protocol.serving import Constraint, ToolSchema
+from kvmesh.constrain.check import ConstraintError, validate
+from kvmesh.protocol.serving import Constraint, ToolSchema
 
 WEATHER = ToolSchema(name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}},
                                                       "required": ["city"]})
@@ -46,7 +45,7 @@ def test_rejects_with_a_one_line_reason(constraint: Constraint, reason: str) -> 
 
 
 def test_check_does_not_import_torch() -> None:
-    code = ("import sys; from shared.constrain.check import validate; from shared.protocol.serving import Constraint; "
+    code = ("import sys; from kvmesh.constrain.check import validate; from kvmesh.protocol.serving import Constraint; "
             "validate(Constraint(kind='json')); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shared.stack.servers import find_binary, free_port, stop_pid, wait_for_port
+from kvmesh.stack.servers import find_binary, free_port, stop_pid, wait_for_port
 
 from .chart import by_kind, name
 

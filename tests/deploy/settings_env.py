@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.config import Settings
+from kvmesh.config import Settings
 
 
 def assert_settings_apply(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:

@@ -18,11 +18,17 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
-
-from shared.bus.permissions import ROLES, Permissions, permissions
+from kvmesh.bus.permissions import ROLES, Permissions, permissions
 
 from .chart import COMPONENTS, by_kind, merged, name, render, validate_manifests
-from .nats_config import chart_nats_env, container_env, local_copy, secret_data, serve, write_test_ca
+from .nats_config import (
+    chart_nats_env,
+    container_env,
+    local_copy,
+    secret_data,
+    serve,
+    write_test_ca,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = re.compile(r'^\s*\{user: ("[^"]+"), password: \$(\w+), permissions: (\{.*\})\}$', re.MULTILINE)
@@ -153,7 +159,7 @@ async def test_real_nats_server_enforces_the_rendered_users(chart, tmp_path: Pat
 
 async def test_real_nats_server_serves_tls_from_the_rendered_config(chart, tmp_path: Path) -> None:
     """The chart's tls block, with a Secret's files where the pod mounts them, in a real nats-server."""
-    from shared.bus.client_auth import ClientAuth, connect_kwargs
+    from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
 
     docs = render(chart, merged(TLS, {"nats": {"replicas": 1, "streamReplicas": 1}}))
     certs = tmp_path / "nats-tls"

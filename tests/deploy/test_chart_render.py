@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from .chart import COMPONENTS, RELEASE, by_kind, merged, name, render, validate_manifests
+from .chart import (
+    COMPONENTS,
+    RELEASE,
+    by_kind,
+    merged,
+    name,
+    render,
+    validate_manifests,
+)
 from .settings_env import assert_settings_apply
 
 EXTERNAL = {"nats": {"deploy": False, "url": "nats://nats.messaging:4222", "streamReplicas": 3,
@@ -75,7 +83,7 @@ def test_defaults_deploy_all_components_with_probes_on_the_side_port(rendered) -
         assert dep["spec"]["replicas"] == {"ingress": 2, "prefill": 2, "decode": 2}.get(component, 1)
         pod = dep["spec"]["template"]["spec"]
         main = pod["containers"][0]
-        assert main["command"] == ["python", "-m", f"services.{component.replace('-', '_')}"]
+        assert main["command"] == ["python", "-m", f"kvmesh.services.{component.replace('-', '_')}"]
         assert main["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
         assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
         assert {p["name"]: p["containerPort"] for p in main["ports"]}["metrics"] == 9090
@@ -227,7 +235,7 @@ def test_network_policies_admit_only_kvmesh_pods(rendered) -> None:
 
 
 def test_configmap_and_pod_env_parse_into_settings(rendered, monkeypatch) -> None:
-    from shared.config import load_settings
+    from kvmesh.config import load_settings
 
     cm = by_kind(rendered["gpu"], "ConfigMap")[name("config")]["data"]
     main = by_kind(rendered["gpu"], "Deployment")[name("prefill")]["spec"]["template"]["spec"]["containers"][0]

@@ -55,7 +55,7 @@ def test_bucket_init_is_a_one_shot_after_minio(compose) -> None:
 def test_kvmesh_service_shape(compose, service: str) -> None:
     svc = compose["services"][service]
     assert svc["image"] == "kvmesh:latest" and svc["build"]["context"] == "."
-    assert svc["command"][-1].endswith(f"exec python -m services.{KVMESH[service]}")
+    assert svc["command"][-1].endswith(f"exec python -m kvmesh.services.{KVMESH[service]}")
     assert svc["command"][-1].startswith(f"set -a && . /etc/kvmesh/secrets/{service}.env && set +a && ")
     assert f"KVMESH_SERVICE__WORKER_ID={service}-$$(hostname)" in svc["command"][-1]
     assert "/readyz" in " ".join(svc["healthcheck"]["test"]) and "9090" in " ".join(svc["healthcheck"]["test"])
@@ -85,7 +85,7 @@ def test_secrets_come_from_the_environment_only(raw) -> None:
 
 
 def test_env_file_settings_parse_into_settings(monkeypatch) -> None:
-    from shared.config import load_settings
+    from kvmesh.config import load_settings
 
     pairs = dict(line.split("=", 1) for line in (ROOT / "deploy" / "compose.env").read_text().splitlines()
                  if line and not line.startswith("#"))

@@ -12,8 +12,7 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
-
-from shared.bus.permissions import ADMIN, ROLES
+from kvmesh.bus.permissions import ADMIN, ROLES
 
 from .nats_config import local_copy, serve
 

@@ -6,10 +6,9 @@ import json
 import re
 from pathlib import Path
 
+from kvmesh.eviction.metrics import EvictionMetrics
+from kvmesh.eviction.sessions import RetentionCounts
 from prometheus_client import CollectorRegistry
-
-from shared.eviction.metrics import EvictionMetrics
-from shared.eviction.sessions import RetentionCounts
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvmesh-dashboard.json"

@@ -81,8 +81,8 @@ def test_runs_as_a_numeric_non_root_user(instructions) -> None:
 
 def test_command_runs_a_service_module(instructions) -> None:
     (cmd,) = [json.loads(i.args) for i in _final(instructions) if i.op == "CMD"]
-    assert cmd[:2] == ["python", "-m"] and re.fullmatch(r"services\.\w+", cmd[2])
-    assert (ROOT / cmd[2].replace(".", "/") / "__main__.py").exists()
+    assert cmd[:2] == ["python", "-m"] and re.fullmatch(r"kvmesh\.services\.\w+", cmd[2])
+    assert (ROOT / cmd[2].removeprefix("kvmesh.").replace(".", "/") / "__main__.py").exists()  # kvmesh.services -> services/
     assert not [i for i in instructions if i.op == "ENTRYPOINT"], "the command alone picks the service"
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.engine.block_hash import BlockHash
-from shared.engine.block_pool import BlockPool
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_pool import BlockPool
 
 
 def test_take_and_put_free() -> None:

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.sampling import SamplingParams
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.sampling import SamplingParams
 
 BS = 4
 MAX_TOKENS = 6

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvmesh.engine.checkpoint_error import CheckpointError
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.model_config import parse_model_config
+from kvmesh.engine.presets import write_preset
 from safetensors.torch import load_file, save_file
-
-from shared.engine.checkpoint_error import CheckpointError
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.loader import load_model
-from shared.engine.model_config import parse_model_config
-from shared.engine.presets import write_preset
 
 
 def _prefill_logits(model_dir: Path) -> torch.Tensor:
@@ -67,7 +66,7 @@ def test_sharded_checkpoint_loads_identically(tiny_model_dir: Path, tmp_path: Pa
 
 def test_fingerprint_and_preset_bytes_are_stable_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     code = (
-        "import sys; from shared.engine.loader import load_model; from shared.engine.presets import write_preset; "
+        "import sys; from kvmesh.engine.loader import load_model; from kvmesh.engine.presets import write_preset; "
         "write_preset(sys.argv[2], 'tiny', 'llama', seed=0); print(load_model(sys.argv[1]).fingerprint)"
     )
     again = tmp_path / "again"

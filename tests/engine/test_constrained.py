@@ -11,13 +11,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.sampling import SamplingParams
-from shared.protocol.serving import Constraint, ToolSchema
-from shared.toolcalls.formats import get_format
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol.serving import Constraint, ToolSchema
+from kvmesh.toolcalls.formats import get_format
 
 SCHEMAS = {
     "any_object": None,

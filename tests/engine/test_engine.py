@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.sampling import SamplingParams
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

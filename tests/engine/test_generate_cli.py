@@ -11,7 +11,7 @@ SHARED = "You are a careful assistant. Answer briefly and precisely, citing the 
 
 
 def kvmesh(*args: str) -> subprocess.CompletedProcess:
-    code = "from shared.cli.main import app; app()"
+    code = "from kvmesh.cli.main import app; app()"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import load_model
-from shared.engine.model_config import parse_model_config
-from shared.engine.presets import PRESETS, preset_config
-from shared.engine.sampling import SamplingParams
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.model_config import parse_model_config
+from kvmesh.engine.presets import PRESETS, preset_config
+from kvmesh.engine.sampling import SamplingParams
 
 REAL_KV_BYTES_PER_TOKEN = {"llama3-8b": 32 * 8 * 128 * 2 * 2, "llama3-70b": 80 * 8 * 128 * 2 * 2}
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.sampling import SamplingParams
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.sampling import SamplingParams
 
 BS = 4
 POOL = 12

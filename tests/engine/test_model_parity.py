@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.presets import write_preset
 from transformers import AutoModelForCausalLM
-
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.presets import write_preset
 
 ATOL = 1e-4
 BLOCK_SIZE = 16  # the engine default; also the smallest the Triton kernels take
@@ -155,7 +154,7 @@ TRITON_SCRIPT = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_model_parity import run_mixed_batch
-from shared.engine.loader import load_model
+from kvmesh.engine.loader import load_model
 torch.save(run_mixed_batch(load_model(sys.argv[2])), sys.argv[3])
 """
 

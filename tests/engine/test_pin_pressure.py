@@ -12,17 +12,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.loader import LoadedModel, load_model
-from shared.engine.pins import PinSet
-from shared.engine.sampling import SamplingParams
-from shared.serving.tier_metrics import EnginePressureCollector
-
 from engine.test_pins import cached_chain
 from engine.test_prefix_cache import make_cache
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.pins import PinSet
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.serving.tier_metrics import EnginePressureCollector
+from prometheus_client import CollectorRegistry
 
 BS = 4
 POOL = 12  # pin budget: 6 blocks (engine.pin_fraction 0.5)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import time
 
+from engine.test_prefix_cache import BS, KEYS, make_cache, run_sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.pin_ledger import Cap
-from shared.engine.block_hash import hash_blocks
-from shared.engine.pins import PinSet
-
-from engine.test_prefix_cache import BS, KEYS, make_cache, run_sequence
+from kvmesh.cache_policy.pin_ledger import Cap
+from kvmesh.engine.block_hash import hash_blocks
+from kvmesh.engine.pins import PinSet
 
 
 def cached_chain(cache, n: int, seed: int) -> list:
@@ -67,8 +65,8 @@ def test_references_follow_the_ledger(ops) -> None:
 
 def test_l2_budget_from_settings() -> None:
     """A worker's L2 pins: pins.l2_fraction of L2 for the pool, pins.l2_tenant_fraction per tenant, in bytes."""
-    from shared.config import PinQuotaSettings
-    from shared.serving.pinning import L2Pins
+    from kvmesh.config import PinQuotaSettings
+    from kvmesh.serving.pinning import L2Pins
 
     l2 = L2Pins.for_tier(PinQuotaSettings(l2_fraction=0.5, l2_tenant_fraction=0.2), capacity_bytes=10_000,
                          block_bytes=1_000)

@@ -6,11 +6,10 @@ import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.base import BlockInfo, LRUPolicy
-from shared.engine.block_hash import BlockHash, HashKeys, hash_blocks
-from shared.engine.block_pool import Block, BlockPool
-from shared.engine.prefix_cache import PrefixCache
+from kvmesh.cache_policy.base import BlockInfo, LRUPolicy
+from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_blocks
+from kvmesh.engine.block_pool import Block, BlockPool
+from kvmesh.engine.prefix_cache import PrefixCache
 
 BS = 4
 KEYS = HashKeys("fp")

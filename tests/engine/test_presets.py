@@ -9,14 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvmesh.cli.main import app
+from kvmesh.engine.chat_template import ChatTemplateError
+from kvmesh.engine.forward_batch import ForwardBatch
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.synthetic_tokenizer import SPECIAL_TOKENS
+from kvmesh.engine.tokenizer import Tokenizer
 from typer.testing import CliRunner
-
-from shared.cli.main import app
-from shared.engine.chat_template import ChatTemplateError
-from shared.engine.forward_batch import ForwardBatch
-from shared.engine.loader import load_model
-from shared.engine.synthetic_tokenizer import SPECIAL_TOKENS
-from shared.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.sampling import SamplingParams, apply_top_k, apply_top_p, make_generator, sample
-from shared.engine.tokenizer import Tokenizer
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampling import (
+    SamplingParams,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+    sample,
+)
+from kvmesh.engine.tokenizer import Tokenizer
 
 
 def test_top_k_keeps_the_k_largest() -> None:

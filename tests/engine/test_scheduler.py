@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from shared.config import EngineSettings
-from shared.engine.block_hash import HashKeys
-from shared.engine.block_pool import BlockPool
-from shared.engine.prefix_cache import PrefixCache
-from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling import SamplingParams
-from shared.engine.scheduler import Scheduler
+from kvmesh.config import EngineSettings
+from kvmesh.engine.block_hash import HashKeys
+from kvmesh.engine.block_pool import BlockPool
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.scheduler import Scheduler
 
 BS = 4
 

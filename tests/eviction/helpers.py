@@ -6,12 +6,11 @@ import hashlib
 import uuid
 
 import torch
-
-from shared.cache_policy.base import BlockInfo
-from shared.engine.kv_block import KVBlock
-from shared.engine.sampling import SamplingParams
-from shared.tiers.l3_store import L3Store
-from shared.tiers.s3_client import fast_fail_client
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.s3_client import fast_fail_client
 
 # The engine tests' prompt: 4 full blocks of 8; 5 greedy tokens never fill a 5th block.
 BS = 8

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.registry import get_policy
-from shared.config import EvictionSettings
-from shared.eviction.advisor import Advisor
-from shared.eviction.messages import Demote, WorkerCommand
-from shared.eviction.occupancy import OccupancyView
-from shared.eviction.pins import PinTable
-from shared.kv_events.events import BlockMoved, BlockStored, KVEvent, KVEventBatch
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.config import EvictionSettings
+from kvmesh.eviction.advisor import Advisor
+from kvmesh.eviction.messages import Demote, WorkerCommand
+from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.eviction.pins import PinTable
+from kvmesh.kv_events.events import BlockMoved, BlockStored, KVEvent, KVEventBatch
+from kvmesh.tiers.miss import Tier
 
 from .helpers import chain
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import time
 
 from bus.helpers import FAST_BUS, connected, unique
+from kvmesh.bus.publish import Publisher
+from kvmesh.eviction.messages import Demote, WorkerCommand
+from kvmesh.eviction.service import EvictionService
+from kvmesh.protocol import subjects
+from kvmesh.protocol.streams import COMMANDS
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.tiers.miss import Tier
 from prometheus_client import CollectorRegistry
-
-from shared.bus.publish import Publisher
-from shared.eviction.messages import Demote, WorkerCommand
-from shared.eviction.service import EvictionService
-from shared.protocol import subjects
-from shared.protocol.streams import COMMANDS
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.tiers.miss import Tier
 
 from .helpers import chain
 from .test_service import SETTINGS, next_command, worker_events

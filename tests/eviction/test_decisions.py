@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.base import BlockInfo
-from shared.cache_policy.registry import POLICIES, get_policy
-from shared.eviction.decisions import Watermarks, plan_demotion
-from shared.eviction.occupancy import OccupancyView
-from shared.kv_events.events import BlockRemoved, BlockStored, KVEventBatch, WorkerCleared
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.registry import POLICIES, get_policy
+from kvmesh.eviction.decisions import Watermarks, plan_demotion
+from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.kv_events.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    WorkerCleared,
+)
+from kvmesh.tiers.miss import Tier
 
 from .helpers import chain, infos
 

@@ -9,11 +9,11 @@ import io
 import time
 from dataclasses import replace
 
-from shared.cache_policy.registry import get_policy
-from shared.eviction.l3_gc import GCLimits, apply_gc, chunk_pinned, plan_gc, scan, scrub
-from shared.eviction.pins import PinTable
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.miss import MissReason, Tier
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.eviction.l3_gc import GCLimits, apply_gc, chunk_pinned, plan_gc, scan, scrub
+from kvmesh.eviction.pins import PinTable
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.miss import MissReason, Tier
 
 from .helpers import kv_chain, l3_store
 

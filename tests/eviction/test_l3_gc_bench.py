@@ -6,9 +6,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-
-from bench.l3_fill import FillSpec, chunk_key, fill
-from bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
+from kvmesh.bench.l3_fill import FillSpec, chunk_key, fill
+from kvmesh.bench.l3_gc import L3GCBenchConfig, run_l3_gc_bench
 
 
 def test_bench_counts_a_head_per_object_old_and_per_candidate_new() -> None:

@@ -14,15 +14,21 @@ import time
 from dataclasses import replace
 
 from bus.helpers import eventually
-
-from shared.cache_policy.registry import get_policy
-from shared.eviction.l3_gc import BucketTotals, GCLimits, L3Object, apply_gc, chunk_pinned, plan_gc
-from shared.eviction.l3_sweep import L3Sweep, list_chunks
-from shared.eviction.pins import PinTable
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l3_store import L3Store
-from shared.tiers.l3_touch import L3Touches
-from shared.tiers.s3_requests import counting_client
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.eviction.l3_gc import (
+    BucketTotals,
+    GCLimits,
+    L3Object,
+    apply_gc,
+    chunk_pinned,
+    plan_gc,
+)
+from kvmesh.eviction.l3_sweep import L3Sweep, list_chunks
+from kvmesh.eviction.pins import PinTable
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.l3_touch import L3Touches
+from kvmesh.tiers.s3_requests import counting_client
 
 from .helpers import kv_chain, l3_store
 

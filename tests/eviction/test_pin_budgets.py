@@ -13,14 +13,20 @@ import asyncio
 from dataclasses import replace
 
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.config import EvictionSettings, PinQuotaSettings, S3Settings, ServiceSettings, Settings, TierSettings
-from shared.eviction.client import pin_prefix, unpin_prefix
-from shared.eviction.l3_gc import scan
-from shared.eviction.setup import setup
-from shared.protocol.messages import Role
-from shared.service.runner import ServiceRunner
-from shared.tiers.block_format import encode_kv_block
+from kvmesh.config import (
+    EvictionSettings,
+    PinQuotaSettings,
+    S3Settings,
+    ServiceSettings,
+    Settings,
+    TierSettings,
+)
+from kvmesh.eviction.client import pin_prefix, unpin_prefix
+from kvmesh.eviction.l3_gc import scan
+from kvmesh.eviction.setup import setup
+from kvmesh.protocol.messages import Role
+from kvmesh.service.runner import ServiceRunner
+from kvmesh.tiers.block_format import encode_kv_block
 
 from .helpers import chain, kv_chain, l3_store
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.pin_ledger import Cap, PinLedger
+from kvmesh.cache_policy.pin_ledger import Cap, PinLedger
 
 TENANTS = ["a", "b", "c", ""]  # "": the system's own pins, bound by the pool cap only
 SIZE = 10

@@ -7,16 +7,21 @@ from dataclasses import replace
 
 import httpx
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.request import request
-from shared.config import EvictionSettings, S3Settings, ServiceSettings, Settings, TierSettings
-from shared.eviction.l3_gc import scan
-from shared.eviction.messages import PinReply, PinRequest
-from shared.eviction.setup import setup
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.runner import ServiceRunner
-from shared.tiers.block_format import encode_kv_block
+from kvmesh.bus.request import request
+from kvmesh.config import (
+    EvictionSettings,
+    S3Settings,
+    ServiceSettings,
+    Settings,
+    TierSettings,
+)
+from kvmesh.eviction.l3_gc import scan
+from kvmesh.eviction.messages import PinReply, PinRequest
+from kvmesh.eviction.setup import setup
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.runner import ServiceRunner
+from kvmesh.tiers.block_format import encode_kv_block
 
 from .helpers import chain, kv_chain, l3_store
 

@@ -15,24 +15,23 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.publish import Publisher
-from shared.bus.request import serve
-from shared.cache_index.index import keys_of
-from shared.cache_index.service import CacheIndex
-from shared.config import EvictionSettings, IndexSettings, SessionRetentionSettings
-from shared.eviction.client import pin_prefix
-from shared.eviction.l3_gc import scan
-from shared.eviction.messages import Demote, PinRequest, Retain, Warm, WorkerCommand
-from shared.eviction.service import EvictionService
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol import subjects
-from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.streams import COMMANDS
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Tier
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import serve
+from kvmesh.cache_index.index import keys_of
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.config import EvictionSettings, IndexSettings, SessionRetentionSettings
+from kvmesh.eviction.client import pin_prefix
+from kvmesh.eviction.l3_gc import scan
+from kvmesh.eviction.messages import Demote, PinRequest, Retain, Warm, WorkerCommand
+from kvmesh.eviction.service import EvictionService
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.protocol.streams import COMMANDS
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Tier
 
 from .helpers import chain, kv_chain, l3_store
 

@@ -6,17 +6,16 @@ import hashlib
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.base import BlockInfo
-from shared.cache_policy.session import SessionPolicy
-from shared.config import SessionRetentionSettings
-from shared.eviction.decisions import Watermarks, plan_demotion
-from shared.eviction.messages import Demote, Retain
-from shared.eviction.occupancy import OccupancyView, WorkerOccupancy
-from shared.eviction.sessions import SessionRetention
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.book import SessionBook
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.base import BlockInfo
+from kvmesh.cache_policy.session import SessionPolicy
+from kvmesh.config import SessionRetentionSettings
+from kvmesh.eviction.decisions import Watermarks, plan_demotion
+from kvmesh.eviction.messages import Demote, Retain
+from kvmesh.eviction.occupancy import OccupancyView, WorkerOccupancy
+from kvmesh.eviction.sessions import SessionRetention
+from kvmesh.sessions.book import SessionBook
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.tiers.miss import Tier
 
 T0 = 1_000_000.0
 L1 = 100

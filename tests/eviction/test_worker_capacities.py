@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 
 from bus.helpers import connected, eventually, unique
-
-from shared.eviction.messages import Demote
-from shared.metrics import ServiceMetrics
-from shared.protocol.messages import Heartbeat, Role
-from shared.service.heartbeat import HeartbeatLoop
-from shared.tiers.miss import Tier
+from kvmesh.eviction.messages import Demote
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.tiers.miss import Tier
 
 from .helpers import chain
 from .test_service import next_command, service, worker_events

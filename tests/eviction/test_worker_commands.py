@@ -10,16 +10,15 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from shared.cache_policy.registry import get_policy
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
-from shared.eviction.worker_commands import CommandHandler
-from shared.serving.engine_loop import EngineLoop
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Tier
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
+from kvmesh.eviction.worker_commands import CommandHandler
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Tier
 
 from .helpers import BS, PARAMS, PROMPT, l3_store
 

@@ -7,18 +7,17 @@ from __future__ import annotations
 import asyncio
 
 from bus.helpers import FAST_BUS, connected, eventually, unique
-
-from shared.bus.consumer import ConsumerLoop
-from shared.bus.publish import Publisher
-from shared.cache_policy.registry import get_policy
-from shared.config import EngineSettings, IndexSettings
-from shared.engine.engine import Engine
-from shared.eviction.worker_commands import CommandHandler, command_consumer
-from shared.kv_events.publisher import KVEventPublisher
-from shared.metrics import ServiceMetrics
-from shared.serving.engine_loop import EngineLoop
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Tier
+from kvmesh.bus.consumer import ConsumerLoop
+from kvmesh.bus.publish import Publisher
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.config import EngineSettings, IndexSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.eviction.worker_commands import CommandHandler, command_consumer
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Tier
 
 from .helpers import BS, PARAMS, PROMPT, chain
 from .test_service import service, worker_events

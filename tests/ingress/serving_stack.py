@@ -1,6 +1,6 @@
 """A real serving stack for tests: prefill/decode/ingress subprocesses on the nats/s3 fixtures.
 
-Every process is started with `python -m services.<name>` and its own
+Every process is started with `python -m kvmesh.services.<name>` and its own
 KVMESH_* environment, logs to a file in the stack's tmp dir, and is killed by
 PID in `stop()` (run it in a fixture's finally). Heartbeat TTLs are short so
 a killed worker is noticed within ~2 s. Every ingress of a stack gets the
@@ -19,11 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 import httpx
-
-from shared.stack.probe import wait_http_ok
-from shared.stack.servers import (
+from kvmesh.stack.probe import wait_http_ok
+from kvmesh.stack.servers import (
     ManagedProcess,
     NatsServer,
     S3Server,
@@ -34,8 +32,7 @@ from shared.stack.servers import (
 
 async def declare(nats_url: str) -> None:
     import nats
-
-    from shared.protocol.streams import declare_all
+    from kvmesh.protocol.streams import declare_all
 
     nc = await nats.connect(nats_url)
     try:
@@ -102,7 +99,7 @@ class ServingStack:
     def start(self, service: str, worker_id: str) -> int:
         """Start one service process; returns its side HTTP port (for /readyz)."""
         port = free_port()
-        argv = [sys.executable, "-m", f"services.{service}"]
+        argv = [sys.executable, "-m", f"kvmesh.services.{service}"]
         self.procs[worker_id] = spawn_process(worker_id, argv, self.root / "logs" / f"{worker_id}.log",
                                               detach=False, env=self.env(worker_id, port))
         self.side_ports[worker_id] = port

@@ -15,10 +15,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.stack.servers import S3Server
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.config import EngineSettings
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-anth-a": "anth-a", "sk-anth-b": "anth-b"}
 BLOCK = EngineSettings().block_size

@@ -17,9 +17,9 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from kvmesh.stack.servers import S3Server
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-anth-tools": "anth-tools"}
 LOOKUP = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 16},

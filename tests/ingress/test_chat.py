@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.stack.servers import S3Server
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.config import EngineSettings
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-chat": "chat"}
 BLOCK = EngineSettings().block_size

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvmesh.bench.fuzz_ingress import FuzzConfig, error_problem, fuzz
+from kvmesh.ingress.errors import Dialect, dialect_of
+from kvmesh.stack.servers import S3Server
 
-from bench.fuzz_ingress import FuzzConfig, error_problem, fuzz
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.ingress.errors import Dialect, dialect_of
-from shared.stack.servers import S3Server
 
 KEY = "sk-fuzz"
 LIMIT = 64 * 1024

@@ -8,19 +8,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-
-from shared.config import IngressSettings
-from shared.engine.tokenizer import Tokenizer
-from shared.ingress.auth import KeyRing, ensure_dev_key, parse_keys
-from shared.ingress.errors import ApiError, Dialect, ErrorKind
-from shared.ingress.gateway import Gateway, GenerationRequest, Usage
-from shared.ingress.limits import RateLimiter
-from shared.ingress.prompt import PromptBuilder
-from shared.ingress.router import Router, WorkerTable, home
-from shared.ingress.supervisor import RequestRun
-from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.serving import SamplingSpec, TokenEvent
-from shared.service.watch import Change, WorkerChange
+from kvmesh.config import IngressSettings
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.ingress.auth import KeyRing, ensure_dev_key, parse_keys
+from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind
+from kvmesh.ingress.gateway import Gateway, GenerationRequest, Usage
+from kvmesh.ingress.limits import RateLimiter
+from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.ingress.router import Router, WorkerTable, home
+from kvmesh.ingress.supervisor import RequestRun
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.protocol.serving import SamplingSpec, TokenEvent
+from kvmesh.service.watch import Change, WorkerChange
 
 
 def test_keys_and_salts(tmp_path: Path) -> None:
@@ -143,7 +142,7 @@ def test_error_bodies_per_dialect() -> None:
 
 
 def test_tool_turns_reach_the_template(tokenizer: Tokenizer) -> None:
-    from shared.ingress.openai_models import ChatCompletionRequest
+    from kvmesh.ingress.openai_models import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": "list the files"},

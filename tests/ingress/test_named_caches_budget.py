@@ -17,13 +17,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.eviction.l3_gc import scan
+from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.s3_client import fast_fail_client
 
 from ingress.serving_stack import ServingStack, make_stack
-from shared.config import EngineSettings
-from shared.eviction.l3_gc import scan
-from shared.stack.servers import NatsServer, S3Server
-from shared.tiers.l3_store import L3Store
-from shared.tiers.s3_client import fast_fail_client
 
 KEYS = {"sk-pb-a": "pb-a", "sk-pb-b": "pb-b"}
 BLOCK = EngineSettings().block_size

@@ -15,10 +15,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.stack.servers import NatsServer, S3Server
 
 from ingress.serving_stack import ServingStack, make_stack
-from shared.config import EngineSettings
-from shared.stack.servers import NatsServer, S3Server
 
 KEYS = {"sk-nc-a": "nc-a", "sk-nc-b": "nc-b"}
 BLOCK = EngineSettings().block_size

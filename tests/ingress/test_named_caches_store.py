@@ -6,9 +6,8 @@ import asyncio
 import time
 
 import nats
-
-from shared.ingress.named_cache_store import NamedCache, NamedCacheStore
-from shared.stack.servers import NatsServer
+from kvmesh.ingress.named_cache_store import NamedCache, NamedCacheStore
+from kvmesh.stack.servers import NatsServer
 
 
 def entry(cache_id: str, tenant: str, expires_in: float) -> NamedCache:

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvmesh.stack.servers import NatsServer
 
-from shared.stack.servers import NatsServer
 from ingress.serving_stack import ServingStack, job_count, make_stack
 
 KEY, TENANT = "sk-test-errors", "acme"

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvmesh.ingress.router import home
+from kvmesh.protocol import subjects
+from kvmesh.stack.servers import NatsServer, S3Server
 from waits import until_sync
 
 from ingress.serving_stack import ServingStack, make_stack
-from shared.ingress.router import home
-from shared.protocol import subjects
-from shared.stack.servers import NatsServer, S3Server
 
 KEY = "sk-faults"
 PREFILLS, DECODES = ["prefill-0", "prefill-1"], ["decode-0", "decode-1"]
@@ -61,8 +61,7 @@ def _live_count(s: ServingStack) -> int:
     import asyncio
 
     import nats as nats_py
-
-    from shared.service.watch import alive_workers
+    from kvmesh.service.watch import alive_workers
 
     async def count() -> int:
         nc = await nats_py.connect(s.nats.url)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.stack.servers import S3Server
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.config import EngineSettings
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
 BLOCK = EngineSettings().block_size
@@ -60,9 +60,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there", 
 
 
 def test_completions_identical_to_engine(stack: ServingStack) -> None:
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
 
     loaded = load_model(stack.model_dir)
     engine = Engine(loaded, EngineSettings(num_blocks=256))
@@ -109,9 +109,8 @@ def test_client_disconnect_aborts_on_the_worker(stack: ServingStack) -> None:
     import asyncio
 
     import nats as nats_py
-
-    from shared.protocol import subjects
-    from shared.protocol.serving import AbortRequest
+    from kvmesh.protocol import subjects
+    from kvmesh.protocol.serving import AbortRequest
 
     async def scenario() -> tuple[str, list[AbortRequest]]:
         nc = await nats_py.connect(stack.nats.url)

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvmesh.config import EngineSettings
+from kvmesh.stack.servers import S3Server
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from ingress.serving_stack import ServingStack, job_count, one_of_each
-from shared.config import EngineSettings
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-resp-a": "resp-a", "sk-resp-b": "resp-b"}
 BLOCK = EngineSettings().block_size

@@ -17,11 +17,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from kvmesh.stack.servers import S3Server
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from ingress.serving_stack import ServingStack, job_count, one_of_each
-from shared.stack.servers import S3Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,7 +110,14 @@ def test_schemas_the_grammar_refuses_are_400(stack: ServingStack, extra: dict, p
 
 
 def test_an_agents_sdk_run_calls_its_tool(stack: ServingStack) -> None:
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     calls: list[dict] = []

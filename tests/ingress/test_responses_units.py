@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvmesh.ingress.errors import ApiError
+from kvmesh.ingress.response_store import ResponseStore, tenant_scope
+from kvmesh.ingress.responses_conversation import stored, to_messages
+from kvmesh.ingress.responses_models import ResponsesRequest, items
+from kvmesh.ingress.responses_output import EventWriter
+from kvmesh.ingress.responses_stream import OutputBuilder
+from kvmesh.ingress.responses_tools import StreamedCalls, WholeCalls
+from kvmesh.toolcalls.formats import HERMES
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-
-from shared.ingress.errors import ApiError
-from shared.ingress.response_store import ResponseStore, tenant_scope
-from shared.ingress.responses_conversation import stored, to_messages
-from shared.ingress.responses_models import ResponsesRequest, items
-from shared.ingress.responses_output import EventWriter
-from shared.ingress.responses_stream import OutputBuilder
-from shared.ingress.responses_tools import StreamedCalls, WholeCalls
-from shared.toolcalls.formats import HERMES
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 

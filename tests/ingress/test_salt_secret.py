@@ -18,10 +18,15 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvmesh.ingress.salt_secret import (
+    STATE_FILE,
+    SecretError,
+    ensure_dev_secret,
+    load_secret,
+)
+from kvmesh.stack.servers import NatsServer, S3Server, free_port
 
 from ingress.serving_stack import ServingStack, make_stack, one_of_each
-from shared.ingress.salt_secret import STATE_FILE, SecretError, ensure_dev_secret, load_secret
-from shared.stack.servers import NatsServer, S3Server, free_port
 
 KEYS = {"sk-salt": "acme"}
 PROMPT = "A deployment shares one salt secret so that every replica finds the same blocks. " * 6

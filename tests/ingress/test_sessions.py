@@ -19,24 +19,24 @@ import httpx
 import nats
 import openai
 import pytest
+from kvmesh.bus.publish import PublishError
+from kvmesh.config import EngineSettings
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.ingress.admission import Admitted
+from kvmesh.ingress.auth import Principal
+from kvmesh.ingress.metrics import IngressMetrics
+from kvmesh.ingress.session_table import SessionTable, anchor_of
+from kvmesh.ingress.sessions import ChainHasher, SessionInputs, SessionTracker
+from kvmesh.kv_events.events import BlockStored, KVEventBatch
+from kvmesh.protocol import subjects
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.sessions.identity import SessionHints, SessionRef, Source, scoped_session_id
+from kvmesh.sessions.outcome import ToolEvidence
+from kvmesh.stack.servers import S3Server
 from nats.js import api
 from prometheus_client import CollectorRegistry
 
 from ingress.serving_stack import ServingStack, job_count, one_of_each
-from shared.config import EngineSettings
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.bus.publish import PublishError
-from shared.ingress.admission import Admitted
-from shared.ingress.auth import Principal
-from shared.ingress.metrics import IngressMetrics
-from shared.ingress.session_table import SessionTable, anchor_of
-from shared.ingress.sessions import ChainHasher, SessionInputs, SessionTracker
-from shared.kv_events.events import BlockStored, KVEventBatch
-from shared.protocol import subjects
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.identity import SessionHints, SessionRef, Source, scoped_session_id
-from shared.sessions.outcome import ToolEvidence
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-sess-a": "sess-a", "sk-sess-b": "sess-b"}
 BLOCK = EngineSettings().block_size

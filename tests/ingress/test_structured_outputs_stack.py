@@ -15,10 +15,10 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
+from kvmesh.stack.servers import S3Server
 from pydantic import BaseModel, Field
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-json": "json"}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},

@@ -14,17 +14,22 @@ from datetime import UTC, datetime
 
 import nats
 import pytest
-
-from shared.bus.publish import Publisher
-from shared.config import BusSettings, IngressSettings
-from shared.ingress.errors import ErrorKind
-from shared.ingress.gateway import Gateway, GatewayError, GenerationRequest
-from shared.ingress.router import WorkerTable
-from shared.protocol import subjects
-from shared.protocol.messages import Heartbeat, Role
-from shared.protocol.serving import AbortRequest, DecodeJob, PrefillJob, SamplingSpec, TokenEvent
-from shared.protocol.streams import declare_all
-from shared.service.watch import Change, WorkerChange
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import BusSettings, IngressSettings
+from kvmesh.ingress.errors import ErrorKind
+from kvmesh.ingress.gateway import Gateway, GatewayError, GenerationRequest
+from kvmesh.ingress.router import WorkerTable
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.protocol.serving import (
+    AbortRequest,
+    DecodeJob,
+    PrefillJob,
+    SamplingSpec,
+    TokenEvent,
+)
+from kvmesh.protocol.streams import declare_all
+from kvmesh.service.watch import Change, WorkerChange
 
 
 def _up(table: WorkerTable, worker: str, role: Role) -> None:

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from ingress.serving_stack import ServingStack, make_stack
+from kvmesh.stack.servers import NatsServer, S3Server
 from scipy.stats import ks_2samp
 
-from shared.stack.servers import NatsServer, S3Server
+from ingress.serving_stack import ServingStack, make_stack
 
 pytestmark = pytest.mark.timeout(600)
 

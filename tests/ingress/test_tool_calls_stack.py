@@ -19,12 +19,12 @@ import jsonschema
 import nats
 import openai
 import pytest
+from kvmesh.protocol import subjects
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.stack.servers import S3Server
 from nats.js import api
 
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.protocol import subjects
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.stack.servers import S3Server
 
 KEYS = {"sk-tools": "tools"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.ingress.errors import ApiError
-from shared.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
-from shared.protocol.serving import ToolSchema
-from shared.toolcalls.formats import HERMES
+from kvmesh.ingress.errors import ApiError
+from kvmesh.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
+from kvmesh.protocol.serving import ToolSchema
+from kvmesh.toolcalls.formats import HERMES
 
 TOOLS = [ToolSchema(name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}}),
          ToolSchema(name="ping")]

@@ -14,9 +14,9 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from kvmesh.stack.servers import NatsServer
 
 from ingress.serving_stack import ServingStack, job_count, make_stack
-from shared.stack.servers import NatsServer
 
 KEY = "sk-tool-errors"
 ADD = {"type": "function", "function": {"name": "add", "parameters": {

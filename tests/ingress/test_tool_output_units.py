@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 
-from shared.ingress.anthropic_output import BlockEvents, content_blocks, stop_reason_with_calls
-from shared.ingress.openai_chat_output import ChatDeltas, chat_message, finish_reason
-from shared.ingress.tool_choice import ToolChoice, ToolParsing, tool_parsing
-from shared.protocol.serving import ToolSchema
-from shared.toolcalls.formats import HERMES, LLAMA3_JSON
+from kvmesh.ingress.anthropic_output import (
+    BlockEvents,
+    content_blocks,
+    stop_reason_with_calls,
+)
+from kvmesh.ingress.openai_chat_output import ChatDeltas, chat_message, finish_reason
+from kvmesh.ingress.tool_choice import ToolChoice, ToolParsing, tool_parsing
+from kvmesh.protocol.serving import ToolSchema
+from kvmesh.toolcalls.formats import HERMES, LLAMA3_JSON
 
 PARSING = ToolParsing(HERMES, ("get_weather",))
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

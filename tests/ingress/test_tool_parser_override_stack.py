@@ -13,9 +13,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvmesh.stack.servers import NatsServer, S3Server
 
 from ingress.serving_stack import ServingStack, make_stack
-from shared.stack.servers import NatsServer, S3Server
 
 KEY = "sk-hermes"
 TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {

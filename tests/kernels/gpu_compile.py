@@ -13,13 +13,12 @@ from __future__ import annotations
 import sys
 
 import triton
+from kvmesh.kernels.triton.block_copy import _copy_blocks_kernel
+from kvmesh.kernels.triton.kv_write import _kv_write_kernel
+from kvmesh.kernels.triton.paged_attention import _paged_attention_kernel
+from kvmesh.kernels.triton.rope import _rope_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from kernels.triton.block_copy import _copy_blocks_kernel
-from kernels.triton.kv_write import _kv_write_kernel
-from kernels.triton.paged_attention import _paged_attention_kernel
-from kernels.triton.rope import _rope_kernel
 
 
 def _signature(fn: triton.JITFunction, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:

@@ -6,12 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvmesh.kernels.block_copy import gather_blocks, scatter_blocks
+from kvmesh.kernels.kv_write import write_kv
+from kvmesh.kernels.paged_attention import paged_attention
+from kvmesh.kernels.rope import apply_rope
 from paged_reference import dense_attention, dense_rope, make_case, rope_tables
-
-from kernels.block_copy import gather_blocks, scatter_blocks
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
-from kernels.rope import apply_rope
 
 
 @pytest.fixture(autouse=True)

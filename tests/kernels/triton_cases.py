@@ -18,16 +18,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from kvmesh.engine.forward_batch import ForwardBatch  # noqa: E402
+from kvmesh.engine.loader import load_model  # noqa: E402
+from kvmesh.engine.presets import write_preset  # noqa: E402
+from kvmesh.kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
+from kvmesh.kernels.dispatch import ENV_VAR, use_triton  # noqa: E402
+from kvmesh.kernels.kv_write import write_kv  # noqa: E402
+from kvmesh.kernels.paged_attention import paged_attention  # noqa: E402
+from kvmesh.kernels.rope import apply_rope  # noqa: E402
 from paged_reference import dense_attention, dense_rope, make_case, rope_tables  # noqa: E402
-
-from kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
-from kernels.dispatch import ENV_VAR, use_triton  # noqa: E402
-from kernels.kv_write import write_kv  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.rope import apply_rope  # noqa: E402
-from shared.engine.forward_batch import ForwardBatch  # noqa: E402
-from shared.engine.loader import load_model  # noqa: E402
-from shared.engine.presets import write_preset  # noqa: E402
 
 # (Hq, Hkv, D, block_size): GQA 4:1 and 4:2, MHA, a group of 3 with a non power-of-two
 # head_dim, and the tiny preset's head_dim 16.
@@ -47,9 +46,8 @@ def _attention(case, scale: float):
 
 
 def test_interpreter_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.kernels.triton import paged_attention as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels.triton import paged_attention as module
 
     assert isinstance(module._paged_attention_kernel, InterpretedFunction)
     cpu = torch.zeros(1)

@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from shared.sim.trace import TRACE_BLOCK_TOKENS, Trace, parse_line
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, Trace, parse_line
 
 TOOLS = {"bash": 4.0, "edit": 1.0, "search": 8.0}  # median latency (s) of each tool
 SYSTEM_BLOCKS = 4

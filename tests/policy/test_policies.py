@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.cache_policy.base import BlockInfo, LRUPolicy
-from shared.cache_policy.cost import CostParams, CostPolicy
-from shared.cache_policy.lfu import LFUPolicy
-from shared.cache_policy.registry import POLICIES, get_policy
-from shared.cache_policy.tinylfu import TinyLFUPolicy
+from kvmesh.cache_policy.base import BlockInfo, LRUPolicy
+from kvmesh.cache_policy.cost import CostParams, CostPolicy
+from kvmesh.cache_policy.lfu import LFUPolicy
+from kvmesh.cache_policy.registry import POLICIES, get_policy
+from kvmesh.cache_policy.tinylfu import TinyLFUPolicy
 
 
 def block(name: str, *, depth: int = 0, last: float = 0.0, count: int = 1, children: int = 0, size: int = 1) -> BlockInfo:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shared.cache_policy.base import LRUPolicy
-from shared.cache_policy.policy_cache import BlockSpec, PolicyCache
-from shared.cache_policy.registry import get_policy
-from shared.cache_policy.tinylfu import TinyLFUPolicy
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.cache_policy.policy_cache import BlockSpec, PolicyCache
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.cache_policy.tinylfu import TinyLFUPolicy
 
 
 def chain(*names: str, pin: float = 0.0) -> list[BlockSpec]:

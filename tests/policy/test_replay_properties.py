@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.policy_cache import BlockSpec, PolicyCache
-from shared.cache_policy.registry import POLICIES, get_policy
-from shared.sim.run import REFERENCES, hit_rate
-from shared.sim.trace import Trace, TraceRequest, block_key
+from kvmesh.cache_policy.policy_cache import BlockSpec, PolicyCache
+from kvmesh.cache_policy.registry import POLICIES, get_policy
+from kvmesh.sim.run import REFERENCES, hit_rate
+from kvmesh.sim.trace import Trace, TraceRequest, block_key
 
 ALL = [*POLICIES, *REFERENCES]
 

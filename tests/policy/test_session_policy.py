@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.cache_policy.pin_budget import PinBudget
+from kvmesh.cache_policy.policy_cache import BlockSpec, PolicyCache
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.cache_policy.session import SessionParams, SessionPolicy
+from kvmesh.sessions.book import SessionBook
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.inference import SessionInference
+from kvmesh.sim.replay import ReplayOptions
+from kvmesh.sim.run import run_one
+from kvmesh.sim.session_driver import SessionDriver
+from kvmesh.sim.tiers import TieredCache
+from kvmesh.sim.trace import Trace
 
-from shared.cache_policy.base import LRUPolicy
-from shared.cache_policy.pin_budget import PinBudget
-from shared.cache_policy.policy_cache import BlockSpec, PolicyCache
-from shared.cache_policy.registry import get_policy
-from shared.cache_policy.session import SessionParams, SessionPolicy
-from shared.sessions.book import SessionBook
-from shared.sessions.events import TurnOutcome
-from shared.sessions.inference import SessionInference
-from shared.sim.replay import ReplayOptions
-from shared.sim.run import run_one
-from shared.sim.session_driver import SessionDriver
-from shared.sim.tiers import TieredCache
-from shared.sim.trace import Trace
 from tests.policy.agent_trace import agent_trace
 from tests.policy.test_replay_properties import traces
 

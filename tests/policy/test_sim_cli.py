@@ -7,9 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+from kvmesh.cli.main import app
 from typer.testing import CliRunner
-
-from shared.cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.sim.trace import TRACE_BLOCK_TOKENS, block_key, load_trace, parse_line
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, block_key, load_trace, parse_line
 
 
 def test_load_trace_keys_times_and_partial_last_block(tmp_path: Path) -> None:

@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from shared.sim.trace import TRACE_BLOCK_TOKENS, load_trace
-from shared.sim.trajectories import (
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, load_trace
+from kvmesh.sim.trajectories import (
     ID_MASK,
     SessionsConfig,
     Timing,
@@ -25,6 +23,7 @@ from shared.sim.trajectories import (
     tool_names,
     write_trace,
 )
+from typer.testing import CliRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAJ_DIR = REPO_ROOT.parent / "shared" / "workloads" / "swe-agent"
@@ -145,7 +144,7 @@ def test_same_seed_same_file_and_the_reader_parses_it(pool, tmp_path: Path) -> N
 
 @needs_trajectories
 def test_cli_writes_the_trace_and_prints_its_summary(tmp_path: Path) -> None:
-    from shared.cli.main import app
+    from kvmesh.cli.main import app
 
     out = tmp_path / "agent.jsonl"
     args = ["trace", "from-trajectories", str(TRAJ_DIR), "--sessions", "6", "--out", str(out)]
@@ -158,7 +157,7 @@ def test_cli_writes_the_trace_and_prints_its_summary(tmp_path: Path) -> None:
 
 
 def test_summary_counts_overlapping_sessions() -> None:
-    from shared.sim.trajectories import TraceRow
+    from kvmesh.sim.trajectories import TraceRow
 
     rows = [TraceRow(t, 10, 1, (h,), s, ()) for t, h, s in [(0, 1, "a"), (1, 2, "b"), (2, 3, "a"), (4, 4, "b")]]
     summary = summarize(rows)
@@ -195,7 +194,7 @@ def test_session_policy_meets_the_targets_where_lru_thrashes(pool, tmp_path: Pat
     """Private SWE-agent sessions (no shared system prompt), the regime where LRU collapses: at 2 %
     of the unique blocks LRU gets at most half of Belady and the session policy >= 0.8 x Belady and
     >= 1.5 x LRU; at 30 %, where LRU is within 10 % of Belady, no worse than LRU."""
-    from shared.sim.run import capacity_for, run_one
+    from kvmesh.sim.run import capacity_for, run_one
 
     path = tmp_path / "private.jsonl"
     write_trace(build_trace(list(pool.values()), SessionsConfig(sessions=250, share_system_prompt=False)), path)

@@ -7,12 +7,11 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_policy.session import SessionPolicy
-from shared.sessions.events import TurnOutcome
-from shared.sessions.predict import ReturnPredictor
-from shared.sim.replay import DEFAULT_DECODE_TOKENS_PER_S, ReplayOptions, replay
-from shared.sim.trace import Trace, parse_line
+from kvmesh.cache_policy.session import SessionPolicy
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.predict import ReturnPredictor
+from kvmesh.sim.replay import DEFAULT_DECODE_TOKENS_PER_S, ReplayOptions, replay
+from kvmesh.sim.trace import Trace, parse_line
 
 TOOL = TurnOutcome.TOOL_CALLS
 

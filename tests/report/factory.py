@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.protocol.traffic import TrafficRecord
+from kvmesh.protocol.traffic import TrafficRecord
 
 T0 = 1_790_000_000.0  # a fixed arrival origin (unix seconds)
 
@@ -25,7 +25,7 @@ def record(at: float, input_length: int, output_length: int = 10, *, cached: int
 
 def write_jsonl(records: list[TrafficRecord], path: Path) -> Path:
     """The records as recorded trace lines (the shared/traffic writer: what `kvmesh trace record` writes)."""
-    from shared.traffic.trace_lines import write_trace
+    from kvmesh.traffic.trace_lines import write_trace
 
     write_trace(records, path)
     return path

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
-from shared.report.hosted import hosted_cost
-from shared.report.measure import measure
-from shared.report.prices import parse_prices
-from shared.report.self_built import gpu_cost
+from kvmesh.report.hosted import hosted_cost
+from kvmesh.report.measure import measure
+from kvmesh.report.prices import parse_prices
+from kvmesh.report.self_built import gpu_cost
 
 from .factory import record
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.report.decide import Inputs, decide
-from shared.report.measure import measure
-from shared.report.prices import load_prices
+from kvmesh.report.decide import Inputs, decide
+from kvmesh.report.measure import measure
+from kvmesh.report.prices import load_prices
 
 from .factory import record
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.report.cost_report import ReportOptions, build_report
-from shared.report.hit_windows import as_trace, hit_curve
-from shared.report.html import write_html
-from shared.report.prices import load_prices
-from shared.sim.run import run_one
+from kvmesh.report.cost_report import ReportOptions, build_report
+from kvmesh.report.hit_windows import as_trace, hit_curve
+from kvmesh.report.html import write_html
+from kvmesh.report.prices import load_prices
+from kvmesh.sim.run import run_one
 
 from .factory import record
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.report.measure import load_profile, measure
+from kvmesh.report.measure import load_profile, measure
 
 from .factory import T0, record
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
-from shared.report.prices import DEFAULT_PRICES, PriceFileError, load_prices, parse_prices
+from kvmesh.report.prices import (
+    DEFAULT_PRICES,
+    PriceFileError,
+    load_prices,
+    parse_prices,
+)
 
 
 def test_the_shipped_file_is_dated_and_sourced() -> None:

@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kvmesh.stack.servers import free_port
 from openai import OpenAI
-
-from shared.stack.servers import free_port
 
 KEY = "sk-kvmesh-report-test"
 SYSTEM = "You are a careful assistant. Answer every question about the weather, trains and tea in full detail."

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from shared.cache_index.messages import LookupReply, TierRun, WorkerMatch
-from shared.ingress.routing_cost import FetchCosts, Placement, Placements, placement, prefill_cost
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.messages import LookupReply, TierRun, WorkerMatch
+from kvmesh.ingress.routing_cost import (
+    FetchCosts,
+    Placement,
+    Placements,
+    placement,
+    prefill_cost,
+)
+from kvmesh.tiers.miss import Tier
 
 BLOCK = 16
 rates = st.floats(min_value=1e-6, max_value=1e-2)

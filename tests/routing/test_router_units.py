@@ -9,18 +9,17 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.cache_index.messages import LookupReply, TierRun, WorkerMatch
-from shared.config import IngressSettings
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.engine.loader import load_model
-from shared.engine.presets import write_preset
-from shared.ingress.prefill_rates import PrefillRates
-from shared.ingress.prefix_locator import model_fingerprint
-from shared.ingress.router import Router, WorkerTable, home
-from shared.protocol.messages import Heartbeat, Role
-from shared.service.watch import Change, WorkerChange
-from shared.tiers.miss import Tier
+from kvmesh.cache_index.messages import LookupReply, TierRun, WorkerMatch
+from kvmesh.config import IngressSettings
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.presets import write_preset
+from kvmesh.ingress.prefill_rates import PrefillRates
+from kvmesh.ingress.prefix_locator import model_fingerprint
+from kvmesh.ingress.router import Router, WorkerTable, home
+from kvmesh.protocol.messages import Heartbeat, Role
+from kvmesh.service.watch import Change, WorkerChange
+from kvmesh.tiers.miss import Tier
 
 BLOCK = 16
 
@@ -105,7 +104,7 @@ def test_ingress_fingerprint_and_hashes_match_the_loaded_model(tmp_path: Path):
 
 
 def test_no_weights_no_fingerprint(tmp_path: Path):
-    from shared.engine.checkpoint_error import CheckpointError
+    from kvmesh.engine.checkpoint_error import CheckpointError
 
     model_dir = write_preset(tmp_path / "m", "tiny", "llama", seed=3)
     (model_dir / "model.safetensors").unlink()

@@ -17,15 +17,14 @@ from pathlib import Path
 import nats
 import openai
 import pytest
-from waits import until
-
 from ingress.serving_stack import ServingStack, make_stack
-from shared.cache_index.client import lookup_prefix
-from shared.config import EngineSettings
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.ingress.auth import KeyRing
-from shared.service.watch import watch_workers
-from shared.stack.servers import NatsServer, S3Server, free_port
+from kvmesh.cache_index.client import lookup_prefix
+from kvmesh.config import EngineSettings
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.ingress.auth import KeyRing
+from kvmesh.service.watch import watch_workers
+from kvmesh.stack.servers import NatsServer, S3Server, free_port
+from waits import until
 
 KEYS = {"sk-route": "route"}
 BLOCK = EngineSettings().block_size
@@ -74,7 +73,7 @@ def complete(stack: ServingStack, base_url: str, prompt: str, max_tokens: int = 
 
 @functools.cache
 def _loaded(model_dir: Path):
-    from shared.engine.loader import load_model
+    from kvmesh.engine.loader import load_model
 
     return load_model(model_dir)
 
@@ -180,9 +179,9 @@ def test_an_overloaded_holder_sheds_the_prefix_to_the_other_worker(stack: Servin
 
 
 def test_alternating_workers_reuse_the_prefix_from_peer_or_l3(stack: ServingStack) -> None:
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
 
     loaded = load_model(stack.model_dir)
     engine = Engine(loaded, EngineSettings(num_blocks=256))

@@ -1,20 +1,19 @@
 """A trivial service for the runner tests: a job is a number of seconds to work, then a 'done' event.
 
 Run as a script (`python tests/service/sleepy_service.py`) with KVMESH_* env vars, like `kvmesh up`
-runs `python -m services.<name>`.
+runs `python -m kvmesh.services.<name>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from kvmesh.protocol import subjects
+from kvmesh.protocol.base import Message
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import JOBS, ConsumerSpec
+from kvmesh.service.runner import ServiceContext, run_service
 from nats.aio.msg import Msg
-
-from shared.protocol import subjects
-from shared.protocol.base import Message
-from shared.protocol.messages import Role
-from shared.protocol.streams import JOBS, ConsumerSpec
-from shared.service.runner import ServiceContext, run_service
 
 
 class StatusQuery(Message):

@@ -6,8 +6,7 @@ import asyncio
 import sys
 
 import pytest
-
-from shared.aio import cancel_and_wait, next_within, wait_event
+from kvmesh.aio import cancel_and_wait, next_within, wait_event
 
 
 async def _queue_items(q: asyncio.Queue[int]):

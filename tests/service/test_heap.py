@@ -8,9 +8,9 @@ import sys
 
 SCRIPT = """
 import gc, json
-import shared.eviction.service  # a control-plane service's imports (torch among them)
+import kvmesh.eviction.service  # a control-plane service's imports (torch among them)
 before = len(gc.get_objects(generation=2))
-from shared.service.heap import freeze_startup_heap
+from kvmesh.service.heap import freeze_startup_heap
 frozen = freeze_startup_heap()
 print(json.dumps({"before": before, "frozen": frozen, "after": len(gc.get_objects(generation=2))}))
 """

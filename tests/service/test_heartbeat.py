@@ -9,15 +9,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from bus.helpers import connected, unique
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from kvmesh.service.watch import (
+    Change,
+    WorkerChange,
+    alive_workers,
+    follow_workers,
+    watch_workers,
+)
 from nats.aio.msg import Msg
 from nats.js import api
 from waits import until
-
-from shared.metrics import ServiceMetrics
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.service.heartbeat import HeartbeatLoop
-from shared.service.watch import Change, WorkerChange, alive_workers, follow_workers, watch_workers
 
 
 async def _next_for(changes: AsyncIterator[WorkerChange], worker_id: str, timeout_s: float) -> WorkerChange:

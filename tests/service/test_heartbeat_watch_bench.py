@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
+from kvmesh.cli.main import app
 from typer.testing import CliRunner
-
-from shared.cli.main import app
 
 
 def test_bench_heartbeat_watch_small_runs_and_reports():

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.service.watch import _MAX_WAIT_S, LAPSE_FACTOR, _Seen
+from kvmesh.service.watch import _MAX_WAIT_S, LAPSE_FACTOR, _Seen
 
 WORKERS = [f"w{i}" for i in range(6)]
 

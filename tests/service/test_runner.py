@@ -14,16 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 from bus.helpers import FAST_BUS, connected, eventually, unique
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import request
+from kvmesh.config import ServiceSettings, Settings
+from kvmesh.protocol import subjects
+from kvmesh.protocol.messages import Role
+from kvmesh.protocol.streams import JOBS, KV_EVENTS, ConsumerSpec
+from kvmesh.service.runner import ServiceRunner
+from kvmesh.stack.servers import free_port
 from nats.js.errors import KeyNotFoundError
-
-from shared.bus.publish import Publisher
-from shared.bus.request import request
-from shared.config import ServiceSettings, Settings
-from shared.protocol import subjects
-from shared.protocol.messages import Role
-from shared.protocol.streams import JOBS, KV_EVENTS, ConsumerSpec
-from shared.service.runner import ServiceRunner
-from shared.stack.servers import free_port
 
 from .sleepy_service import Status, StatusQuery, status_subject
 from .sleepy_service import setup as sleepy_setup

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
-
-from shared.config import EngineSettings
+from kvmesh.config import EngineSettings
 
 from .harness import BLOCK_SIZE
 
@@ -13,8 +11,8 @@ from .harness import BLOCK_SIZE
 @pytest.fixture(scope="session")
 def reference(tiny_loaded):
     """`generate(prompt_ids, max_tokens) -> output ids`: a fresh in-process engine per call, greedy (the reference)."""
-    from shared.engine.engine import Engine
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.sampling import SamplingParams
 
     loaded = tiny_loaded
 

@@ -1,6 +1,6 @@
 """Worker processes for serving tests, and a small stand-in for the ingress's side of the protocol.
 
-`WorkerProcs` starts `python -m services.prefill|decode` as real subprocesses
+`WorkerProcs` starts `python -m kvmesh.services.prefill|decode` as real subprocesses
 against the session NATS / S3 servers and a tiny model, waits until their
 /readyz answers, and stops every one of them by PID. `TokenCollector` does
 what the ingress does with a request's token events: subscribe before the
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import httpx
 from bus.helpers import connected
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import PrefillJob, SamplingSpec, TokenEvent
+from kvmesh.stack.servers import ManagedProcess, spawn_process
 from nats.aio.client import Client as NATS
-
-from shared.protocol import subjects
-from shared.protocol.serving import PrefillJob, SamplingSpec, TokenEvent
-from shared.stack.servers import ManagedProcess, spawn_process
 
 BLOCK_SIZE = 16
 SALT_A = "a1" * 32
@@ -71,7 +70,7 @@ class WorkerProcs:
 
     def start(self, role: str, worker_id: str, **extra_env: str) -> WorkerProc:
         env = {**self.env, "KVMESH_SERVICE__WORKER_ID": worker_id, **extra_env}
-        mp = spawn_process(worker_id, [sys.executable, "-m", f"services.{role}"], self.log_dir / f"{worker_id}.log",
+        mp = spawn_process(worker_id, [sys.executable, "-m", f"kvmesh.services.{role}"], self.log_dir / f"{worker_id}.log",
                            detach=False, env=env)
         wp = WorkerProc(worker_id, mp)
         self.procs[worker_id] = wp

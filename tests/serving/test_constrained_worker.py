@@ -15,12 +15,19 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import Constraint, DecodeJob, SamplingSpec, ToolSchema
 
-from shared.bus.publish import Publisher
-from shared.protocol import subjects
-from shared.protocol.serving import Constraint, DecodeJob, SamplingSpec, ToolSchema
-
-from .harness import SALT_A, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
+from .harness import (
+    SALT_A,
+    TokenCollector,
+    WorkerProcs,
+    declare_streams,
+    prefill_job,
+    unique,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.sampling import SamplingParams
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling import SamplingParams
 
 from .harness import BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from shared.engine.loader import load_model
+    from kvmesh.engine.loader import load_model
 
     return load_model(tiny_model_dir)
 

@@ -14,27 +14,32 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from bus.helpers import FAST_BUS, connected, eventually
-
-from shared.bus.publish import Publisher
-from shared.bus.request import serve
-from shared.cache_index.messages import LookupRequest
-from shared.cache_index.service import CacheIndex
-from shared.cache_policy.base import LRUPolicy
-from shared.config import EngineSettings, IndexSettings, Settings
-from shared.engine.engine import Engine
-from shared.engine.sampling import SamplingParams
-from shared.kv_events.publisher import KVEventPublisher
-from shared.protocol import subjects
-from shared.serving.engine_loop import EngineLoop, RequestSpec
-from shared.serving.kv_fetch import L2Source, L3Source, PeerSource, cached_run, fetch_chain
-from shared.serving.prefix_reach import reach_prefix
-from shared.serving.worker_tiers import WorkerTiers, namespace_for
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import MissCounters, Tier
-from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer
-from shared.tiers.s3_client import fast_fail_client
+from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import serve
+from kvmesh.cache_index.messages import LookupRequest
+from kvmesh.cache_index.service import CacheIndex
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.config import EngineSettings, IndexSettings, Settings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.protocol import subjects
+from kvmesh.serving.engine_loop import EngineLoop, RequestSpec
+from kvmesh.serving.kv_fetch import (
+    L2Source,
+    L3Source,
+    PeerSource,
+    cached_run,
+    fetch_chain,
+)
+from kvmesh.serving.prefix_reach import reach_prefix
+from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import MissCounters, Tier
+from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.tiers.s3_client import fast_fail_client
 
 from .harness import BLOCK_SIZE, SALT_A
 

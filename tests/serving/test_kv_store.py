@@ -6,13 +6,12 @@ import uuid
 
 import nats
 import pytest
-
-from shared.config import EngineSettings, Settings
-from shared.engine.engine import Engine
-from shared.engine.sampling import SamplingParams
-from shared.serving.engine_loop import EngineLoop, RequestSpec
-from shared.serving.kv_store import store_chain
-from shared.serving.worker_tiers import WorkerTiers, namespace_for
+from kvmesh.config import EngineSettings, Settings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.serving.engine_loop import EngineLoop, RequestSpec
+from kvmesh.serving.kv_store import store_chain
+from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
 
 from .harness import BLOCK_SIZE, SALT_A
 

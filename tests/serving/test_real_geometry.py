@@ -15,13 +15,20 @@ from collections.abc import Iterator
 import pytest
 import torch
 from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import EngineSettings
+from kvmesh.protocol import subjects
 from minio import Minio
 
-from shared.bus.publish import Publisher
-from shared.config import EngineSettings
-from shared.protocol import subjects
-
-from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
+from .harness import (
+    BLOCK_SIZE,
+    TokenCollector,
+    WorkerProcs,
+    declare_streams,
+    prefill_job,
+    unique,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -31,7 +38,7 @@ KV_BYTES_PER_TOKEN = 131072
 
 @pytest.fixture(scope="module")
 def loaded_8b(llama3_8b_model_dir):
-    from shared.engine.loader import load_model
+    from kvmesh.engine.loader import load_model
 
     loaded = load_model(llama3_8b_model_dir)
     assert loaded.config.kv_bytes_per_token() == KV_BYTES_PER_TOKEN
@@ -39,8 +46,8 @@ def loaded_8b(llama3_8b_model_dir):
 
 
 def _reference(loaded, prompt: list[int], max_tokens: int) -> list[int]:
-    from shared.engine.engine import Engine
-    from shared.engine.sampling import SamplingParams
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.sampling import SamplingParams
 
     engine = Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=96, enable_prefix_caching=False))
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].token_ids

@@ -14,14 +14,13 @@ import time
 
 import pytest
 from bus.helpers import connected, eventually
-
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.sampling import SamplingParams
-from shared.protocol import subjects
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.session_feed import SessionFeed
-from shared.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol import subjects
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.session_feed import SessionFeed
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
 
 BS = 8
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)

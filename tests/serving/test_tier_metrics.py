@@ -18,15 +18,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.eviction.messages import Drop, WorkerCommand
+from kvmesh.protocol import subjects
+from kvmesh.tiers.miss import Tier
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.bus.publish import Publisher
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.eviction.messages import Drop, WorkerCommand
-from shared.protocol import subjects
-from shared.tiers.miss import Tier
-
-from .harness import BLOCK_SIZE, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique, worker_env
+from .harness import (
+    BLOCK_SIZE,
+    TokenCollector,
+    WorkerProcs,
+    declare_streams,
+    prefill_job,
+    unique,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,14 +12,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import DecodeJob, SamplingSpec, TokenEvent
+from kvmesh.protocol.streams import JOBS
 from waits import WorkerWatch, taken, until
 
-from shared.bus.publish import Publisher
-from shared.protocol import subjects
-from shared.protocol.serving import DecodeJob, SamplingSpec, TokenEvent
-from shared.protocol.streams import JOBS
-
-from .harness import TokenCollector, WorkerProc, WorkerProcs, declare_streams, prefill_job, unique, worker_env
+from .harness import (
+    TokenCollector,
+    WorkerProc,
+    WorkerProcs,
+    declare_streams,
+    prefill_job,
+    unique,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

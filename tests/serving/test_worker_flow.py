@@ -12,20 +12,34 @@ from collections.abc import Iterator
 
 import pytest
 from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.kv_events.events import KVEventBatch
+from kvmesh.protocol import subjects
+from kvmesh.protocol.serving import (
+    AbortRequest,
+    CachePin,
+    DecodeJob,
+    SamplingSpec,
+    TokenEvent,
+)
+from kvmesh.serving.audit_status import read_audit_counts
+from kvmesh.serving.worker_tiers import namespace_for
+from kvmesh.tiers.handle import BlockHandle
+from kvmesh.tiers.miss import Tier
 from waits import taken, until
 
-from shared.bus.publish import Publisher
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.kv_events.events import KVEventBatch
-from shared.protocol import subjects
-from shared.protocol.serving import AbortRequest, CachePin, DecodeJob, SamplingSpec, TokenEvent
-from shared.serving.audit_status import read_audit_counts
-from shared.serving.worker_tiers import namespace_for
-from shared.tiers.handle import BlockHandle
-from shared.tiers.miss import Tier
-
-from .harness import (BLOCK_SIZE, SALT_A, SALT_B, TokenCollector, WorkerProcs, declare_streams, prefill_job, unique,
-                      worker_env)
+from .harness import (
+    BLOCK_SIZE,
+    SALT_A,
+    SALT_B,
+    TokenCollector,
+    WorkerProcs,
+    declare_streams,
+    prefill_job,
+    unique,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

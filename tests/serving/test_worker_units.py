@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.serving.audit_status import parse_counts
-from shared.serving.ledger import Claim, JobLedger, run_once
+from kvmesh.serving.audit_status import parse_counts
+from kvmesh.serving.ledger import Claim, JobLedger, run_once
 
 
 async def test_ledger_runs_each_attempt_once_and_acks_redeliveries():

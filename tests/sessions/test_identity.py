@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.sessions.identity import (
-    MAX_ID_CHARS, SessionHints, SessionInputError, SessionRef, Source, explicit_anthropic, explicit_openai, hints,
+from kvmesh.sessions.identity import (
+    MAX_ID_CHARS,
+    SessionHints,
+    SessionInputError,
+    SessionRef,
+    Source,
+    explicit_anthropic,
+    explicit_openai,
+    hints,
     scoped_session_id,
 )
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.kv_events.event_log import EventLog
-from shared.kv_events.events import BlockStored, KVEventBatch
-from shared.protocol.base import SchemaVersionError
-from shared.tiers.miss import Tier
+from kvmesh.kv_events.event_log import EventLog
+from kvmesh.kv_events.events import BlockStored, KVEventBatch
+from kvmesh.protocol.base import SchemaVersionError
+from kvmesh.tiers.miss import Tier
 
 
 def _h(i: int) -> bytes:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from shared.sessions.events import SessionEvent, TurnOutcome
-from shared.sessions.outcome import (
-    Chain, EventFacts, ToolEvidence, TurnEnd, classify, event_msg_id, session_event, tool_evidence,
+from kvmesh.sessions.events import SessionEvent, TurnOutcome
+from kvmesh.sessions.outcome import (
+    Chain,
+    EventFacts,
+    ToolEvidence,
+    TurnEnd,
+    classify,
+    event_msg_id,
+    session_event,
+    tool_evidence,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {}}}]

@@ -7,10 +7,9 @@ import statistics
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.sessions.events import TurnOutcome
-from shared.sessions.predict import PRIOR_GAP_S, PredictorConfig, ReturnPredictor
-from shared.sessions.quantiles import RecentQuantiles
+from kvmesh.sessions.events import TurnOutcome
+from kvmesh.sessions.predict import PRIOR_GAP_S, PredictorConfig, ReturnPredictor
+from kvmesh.sessions.quantiles import RecentQuantiles
 
 TOOL, ANSWER, ENDED = TurnOutcome.TOOL_CALLS, TurnOutcome.ANSWER, TurnOutcome.ENDED
 

@@ -20,15 +20,14 @@ from pathlib import Path
 import openai
 import pytest
 from bus.helpers import FAST_BUS, connected, eventually
-
 from ingress.serving_stack import ServingStack, job_count, one_of_each
-from shared.bus.publish import Publisher
-from shared.config import EngineSettings, EvictionSettings, SessionRetentionSettings
-from shared.engine.engine import Engine
-from shared.eviction.service import EvictionService
-from shared.serving.engine_loop import EngineLoop
-from shared.serving.session_feed import SessionFeed
-from shared.sessions.identity import scoped_session_id
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import EngineSettings, EvictionSettings, SessionRetentionSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.eviction.service import EvictionService
+from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.session_feed import SessionFeed
+from kvmesh.sessions.identity import scoped_session_id
 
 KEYS = {"sk-turn": "turn-tenant"}
 TENANT = "turn-tenant"

@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.bus.client_auth import connect_kwargs
-from shared.stack.errors import ExitCode
-from shared.stack.nats_credentials import admin_auth
-from shared.stack.procs import is_ours
-from shared.stack.servers import free_port, pid_alive, port_in_use
-from shared.stack.state import ProcessRecord, StackState, load_state
+from kvmesh.bus.client_auth import connect_kwargs
+from kvmesh.stack.errors import ExitCode
+from kvmesh.stack.nats_credentials import admin_auth
+from kvmesh.stack.procs import is_ours
+from kvmesh.stack.servers import free_port, pid_alive, port_in_use
+from kvmesh.stack.state import ProcessRecord, StackState, load_state
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
 SVC_PATH = Path(__file__).parent / "svcpkg"

@@ -10,11 +10,10 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
+from kvmesh.stack.errors import ExitCode
+from kvmesh.stack.servers import NatsNodePorts, nats_cluster
+from kvmesh.stack.state import StackState
 from stack_harness import StackDir, admin_nats, assert_all_gone, assert_one_line_failure
-
-from shared.stack.errors import ExitCode
-from shared.stack.servers import NatsNodePorts, nats_cluster
-from shared.stack.state import StackState
 
 RUNNER_PACKAGE = "kvmesh_stacktest_runner"  # a service on the real runner: it must reach NATS to get ready
 NODES = ["nats-0", "nats-1", "nats-2"]

@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import nats
+from kvmesh.protocol.streams import ALL_STREAMS
+from kvmesh.stack.procs import is_ours
+from kvmesh.stack.servers import NatsServer, S3Server, pid_alive
 from stack_harness import StackDir, pids_for
-
-from shared.protocol.streams import ALL_STREAMS
-from shared.stack.procs import is_ours
-from shared.stack.servers import NatsServer, S3Server, pid_alive
 
 
 async def stream_names(url: str) -> set[str]:

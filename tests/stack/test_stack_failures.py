@@ -10,10 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kvmesh.stack.errors import ExitCode
+from kvmesh.stack.servers import free_port, port_in_use
 from stack_harness import KVMESH, StackDir, assert_one_line_failure, pids_for
-
-from shared.stack.errors import ExitCode
-from shared.stack.servers import free_port, port_in_use
 
 
 def listening_socket() -> socket.socket:

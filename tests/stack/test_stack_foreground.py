@@ -8,11 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from kvmesh.stack.procs import is_ours
+from kvmesh.stack.servers import port_in_use
+from kvmesh.stack.state import StackState
 from stack_harness import KVMESH, StackDir, pids_for
-
-from shared.stack.procs import is_ours
-from shared.stack.servers import port_in_use
-from shared.stack.state import StackState
 
 
 def start_foreground(stack: StackDir, *extra: str) -> tuple[subprocess.Popen, StackState]:

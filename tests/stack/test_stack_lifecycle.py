@@ -11,12 +11,10 @@ import urllib.request
 from pathlib import Path
 
 import nats
+from kvmesh.protocol.streams import ALL_STREAMS
+from kvmesh.stack.credentials import read_credentials
+from kvmesh.stack.state import ProcessRecord, StackState, claim_state
 from minio import Minio
-
-from shared.protocol.streams import ALL_STREAMS
-from shared.stack.credentials import read_credentials
-from shared.stack.state import ProcessRecord, StackState, claim_state
-
 from stack_harness import StackDir, admin_nats, assert_all_gone, pids_for
 
 TEST_STREAM = "STACKTEST"

@@ -15,12 +15,11 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
+from kvmesh.stack.nats_credentials import NATS_CREDENTIALS_FILE
+from kvmesh.stack.servers import free_port
+from kvmesh.stack.state import StackState
 from openai import OpenAI
 from stack_harness import StackDir, admin_nats
-
-from shared.stack.nats_credentials import NATS_CREDENTIALS_FILE
-from shared.stack.servers import free_port
-from shared.stack.state import StackState
 
 KEY = "sk-kvmesh-auth-test"
 SERVICES = {"cache_index-0", "decode-0", "eviction-0", "ingress-0", "prefill-0"}
@@ -53,7 +52,7 @@ async def _workers_seen_by_admin(state: StackState) -> set[str]:
 @pytest.mark.slow
 def test_the_stack_with_nats_users_serves_and_hits_the_cache(stack: StackDir, tiny_model_dir: Path) -> None:
     port = free_port()
-    stack.env.update(KVMESH_STACK__SERVICES_PACKAGE="services", KVMESH_INGRESS__PORT=str(port),
+    stack.env.update(KVMESH_STACK__SERVICES_PACKAGE="kvmesh.services", KVMESH_INGRESS__PORT=str(port),
                      KVMESH_API_KEYS=f"{KEY}:tenant-a")
     out = stack.cli(*stack.up_args("--detach", "--model", str(tiny_model_dir), "--timeout", "240"), timeout=300)
     assert out.returncode == 0, out.stderr

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import nats
 import pytest
+from kvmesh.protocol import subjects
+from kvmesh.stack.credentials import read_credentials
+from kvmesh.stack.procs import is_ours
+from kvmesh.stack.servers import free_port, pid_alive
+from kvmesh.stack.state import StackState
 from minio import Minio
 from openai import OpenAI
 from stack_harness import StackDir, admin_nats, pids_for
 from waits import until_sync
-
-from shared.protocol import subjects
-from shared.stack.credentials import read_credentials
-from shared.stack.procs import is_ours
-from shared.stack.servers import free_port, pid_alive
-from shared.stack.state import StackState
 
 KEY = "sk-kvmesh-restart-test"
 SYSTEM = ("You are a careful assistant. Answer every question about the weather, trains, tea, rivers and "
@@ -101,7 +100,7 @@ def _assert_served_from_cache(stack: StackDir, model: Path, port: int, answer: s
 def restart_stack(stack: StackDir) -> tuple[StackDir, int, list[str]]:
     """The real services on fixed ports (a restart keeps them), snapshots every 2 s."""
     port = free_port()
-    stack.env.update(KVMESH_STACK__SERVICES_PACKAGE="services", KVMESH_INGRESS__PORT=str(port),
+    stack.env.update(KVMESH_STACK__SERVICES_PACKAGE="kvmesh.services", KVMESH_INGRESS__PORT=str(port),
                      KVMESH_API_KEYS=f"{KEY}:tenant-a", KVMESH_INDEX__SNAPSHOT_EVERY_S="2")
     ports = ["--nats-port", str(free_port()), "--nats-monitor-port", str(free_port()), "--s3-port", str(free_port())]
     return stack, port, ports

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import nats
+from kvmesh.protocol.subjects import WORKERS_BUCKET
+from kvmesh.stack.state import StackState
 from stack_harness import StackDir, admin_nats, pids_for
-
-from shared.protocol.subjects import WORKERS_BUCKET
-from shared.stack.state import StackState
 
 RUNNER_PACKAGE = "kvmesh_stacktest_runner"
 

@@ -9,15 +9,14 @@ import stat
 from pathlib import Path
 
 import pytest
+from kvmesh.engine.gguf_import import IMPORT_FILE
+from kvmesh.stack.credentials import load_or_create_credentials
+from kvmesh.stack.errors import ExitCode, StackError
+from kvmesh.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
+from kvmesh.stack.probe import host_port
+from kvmesh.stack.services import build_specs, discover_services
+from kvmesh.stack.state import StackState, claim_state, load_state, remove_state
 from stack_harness import SVC_PACKAGE, SVC_PATH
-
-from shared.engine.gguf_import import IMPORT_FILE
-from shared.stack.credentials import load_or_create_credentials
-from shared.stack.errors import ExitCode, StackError
-from shared.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
-from shared.stack.probe import host_port
-from shared.stack.services import build_specs, discover_services
-from shared.stack.state import StackState, claim_state, load_state, remove_state
 
 
 @pytest.fixture
@@ -31,11 +30,11 @@ def test_discovery_finds_packages_with_a_main(test_package_importable: None) -> 
 
 
 def test_specs_default_one_replica_counts_override_and_unknown_fails() -> None:
-    specs = build_specs("services", ["decode", "ingress", "prefill"], {"prefill": 3, "decode": 0})
+    specs = build_specs("kvmesh.services", ["decode", "ingress", "prefill"], {"prefill": 3, "decode": 0})
     assert [(s.name, s.module, s.replicas) for s in specs] == [
-        ("decode", "services.decode", 0), ("ingress", "services.ingress", 1), ("prefill", "services.prefill", 3)]
+        ("decode", "kvmesh.services.decode", 0), ("ingress", "kvmesh.services.ingress", 1), ("prefill", "kvmesh.services.prefill", 3)]
     with pytest.raises(StackError) as err:
-        build_specs("services", ["ingress"], {"prefil": 2})
+        build_specs("kvmesh.services", ["ingress"], {"prefil": 2})
     assert err.value.code == ExitCode.USAGE and "prefil" in err.value.message
 
 

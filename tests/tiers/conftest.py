@@ -6,8 +6,7 @@ import hashlib
 
 import pytest
 import torch
-
-from shared.engine.kv_block import KVBlock
+from kvmesh.engine.kv_block import KVBlock
 
 FINGERPRINT = "fp-test-0123456789abcdef"
 SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block size, kv heads, head dim

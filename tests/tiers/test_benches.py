@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from kvmesh.bench.peer_fetch import run as run_peer_fetch
+from kvmesh.bench.tiers import TierBenchConfig, run_tiers_bench
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.peer_fetch import run as run_peer_fetch
-from bench.tiers import TierBenchConfig, run_tiers_bench
 
 
 def test_tiers_bench_smoke() -> None:

@@ -6,9 +6,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.tiers.block_format import DTYPES, BlockHeader, decode_block, encode_block, encode_kv_block, header_for
-from shared.tiers.miss import BlockMiss, MissReason
+from kvmesh.tiers.block_format import (
+    DTYPES,
+    BlockHeader,
+    decode_block,
+    encode_block,
+    encode_kv_block,
+    header_for,
+)
+from kvmesh.tiers.miss import BlockMiss, MissReason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from shared.config import Settings
-from shared.tiers.shm_slab import SlabArena
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.factory import build_host_tier, build_l3_store
-from shared.tiers.miss import MissCounters
+from kvmesh.config import Settings
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.factory import build_host_tier, build_l3_store
+from kvmesh.tiers.miss import MissCounters
+from kvmesh.tiers.shm_slab import SlabArena
 
 
 def test_build_from_settings(s3_server, make_chain, fp, tmp_path) -> None:

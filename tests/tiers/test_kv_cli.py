@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 
+from kvmesh.cli.main import app
+from kvmesh.config import EngineSettings
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.kvconvert.safetensors_io import import_safetensors
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.s3_client import fast_fail_client
 from typer.testing import CliRunner
-
-from shared.cli.main import app
-from shared.config import EngineSettings
-from shared.engine.engine import Engine
-from shared.engine.sampling import SamplingParams
-from shared.kvconvert.safetensors_io import import_safetensors
-from shared.tiers.l3_store import L3Store
-from shared.tiers.s3_client import fast_fail_client
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shared.engine.block_hash import HashKeys, hash_blocks
-from shared.kvconvert.errors import IncompatibleKV
-from shared.kvconvert.safetensors_io import export_safetensors, import_safetensors
-from shared.kvconvert.transform import DTYPE_TOLERANCE, convert_dtype, convert_layout, rechunk
-from shared.tiers.block_format import StoredBlock, decode_block, encode_block, header_for
+from kvmesh.engine.block_hash import HashKeys, hash_blocks
+from kvmesh.kvconvert.errors import IncompatibleKV
+from kvmesh.kvconvert.safetensors_io import export_safetensors, import_safetensors
+from kvmesh.kvconvert.transform import (
+    DTYPE_TOLERANCE,
+    convert_dtype,
+    convert_layout,
+    rechunk,
+)
+from kvmesh.tiers.block_format import (
+    StoredBlock,
+    decode_block,
+    encode_block,
+    header_for,
+)
 
 
 def _chain(keys: HashKeys, n_tokens: int, block_size: int, seed: int = 0) -> tuple[list[int], list[StoredBlock]]:
@@ -18,7 +27,7 @@ def _chain(keys: HashKeys, n_tokens: int, block_size: int, seed: int = 0) -> tup
     hashes = hash_blocks(tokens, block_size, keys)
     data = torch.randn(2, 2, len(hashes) * block_size, 2, 8, generator=gen)
     out, parent = [], None
-    from shared.engine.kv_block import KVBlock
+    from kvmesh.engine.kv_block import KVBlock
 
     for i, h in enumerate(hashes):
         kb = KVBlock(h, parent, tuple(tokens[i * block_size:(i + 1) * block_size]),

@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import torch
-
-from shared.cache_policy.base import LRUPolicy
-from shared.tiers.block_format import decode_block, encode_kv_block
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissReason, Tier
-from shared.tiers.shm_slab import SlabArena, SlabReader, slab_name
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.tiers.block_format import decode_block, encode_kv_block
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissReason, Tier
+from kvmesh.tiers.shm_slab import SlabArena, SlabReader, slab_name
 
 
 class _Clock:
@@ -72,8 +71,8 @@ def test_corrupted_bytes_are_dropped_not_served(make_chain, fp) -> None:
 
 _READER = """
 import sys, torch
-from shared.tiers.shm_slab import SlabReader
-from shared.tiers.block_format import decode_block
+from kvmesh.tiers.shm_slab import SlabReader
+from kvmesh.tiers.block_format import decode_block
 buf = SlabReader().read(sys.argv[1], bytes.fromhex(sys.argv[2]))
 block = decode_block(buf, sys.argv[3], bytes.fromhex(sys.argv[2]))
 print(float(block.data.double().sum()), block.header.token_ids[0])
@@ -123,7 +122,7 @@ def test_a_full_slab_evicts_by_policy_until_the_block_fits(make_chain, fp) -> No
 
 
 def test_history_policies_hear_every_access_and_admission_is_respected(make_chain, fp) -> None:
-    from shared.cache_policy.registry import get_policy
+    from kvmesh.cache_policy.registry import get_policy
 
     tier = HostTier(1 << 30, get_policy("tinylfu"), fp, clock=_Clock())
     block = make_chain(1, seed=11)[0]

@@ -13,19 +13,19 @@ import uuid
 from collections import Counter
 from dataclasses import replace
 
-from shared.cache_policy.registry import get_policy
-from shared.serving.worker_tiers import L2Source, WorkerTiers, namespace_for
-from shared.tiers.arena import HeapArena
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.known_chunks import KnownChunks
-from shared.tiers.l2_host import HostTier
-from shared.tiers.l3_store import L3Stats, L3Store
-from shared.tiers.miss import Miss, MissCounters, MissReason
-from shared.tiers.peer_shm import ShmPeerClient
-from shared.tiers.resolver import Resolver
-from shared.tiers.s3_client import fast_fail_client
-from shared.tiers.shm_slab import SlabArena
-from shared.tiers.upload_queue import UploadQueue
+from kvmesh.cache_policy.registry import get_policy
+from kvmesh.serving.worker_tiers import L2Source, WorkerTiers, namespace_for
+from kvmesh.tiers.arena import HeapArena
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.known_chunks import KnownChunks
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Stats, L3Store
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
+from kvmesh.tiers.peer_shm import ShmPeerClient
+from kvmesh.tiers.resolver import Resolver
+from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.shm_slab import SlabArena
+from kvmesh.tiers.upload_queue import UploadQueue
 
 SALT = "5a" * 32
 NS = namespace_for(SALT)

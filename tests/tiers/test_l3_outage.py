@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.circuit_breaker import BreakerState, CircuitBreaker
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss, MissReason
-from shared.tiers.s3_client import fast_fail_client
-from shared.tiers.upload_queue import UploadQueue
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.circuit_breaker import BreakerState, CircuitBreaker
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, MissReason
+from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.upload_queue import UploadQueue
 
 
 class _Clock:

@@ -7,11 +7,10 @@ import threading
 import uuid
 
 import torch
-
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.l3_store import L3Store
-from shared.tiers.miss import Miss, MissReason, Tier
-from shared.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, MissReason, Tier
+from kvmesh.tiers.s3_client import fast_fail_client
 
 
 def _store(s3_server, fp: str, chunk_blocks: int = 4) -> L3Store:

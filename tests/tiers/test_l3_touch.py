@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from email.utils import formatdate
 
-from shared.tiers.l3_touch import L3Touches
-from shared.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.l3_touch import L3Touches
+from kvmesh.tiers.s3_client import fast_fail_client
 
 NOW = 1_800_000_000.0
 

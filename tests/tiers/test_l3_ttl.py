@@ -15,13 +15,12 @@ import uuid
 from dataclasses import replace
 
 import pytest
-
-from shared.eviction.l3_gc import scan
-from shared.tiers.block_format import encode_kv_block
-from shared.tiers.known_chunks import KnownChunks
-from shared.tiers.l3_store import L3Store, WriteOutcome
-from shared.tiers.s3_client import fast_fail_client
-from shared.tiers.upload_queue import UploadQueue
+from kvmesh.eviction.l3_gc import scan
+from kvmesh.tiers.block_format import encode_kv_block
+from kvmesh.tiers.known_chunks import KnownChunks
+from kvmesh.tiers.l3_store import L3Store, WriteOutcome
+from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.tiers.upload_queue import UploadQueue
 
 DEFAULT_TTL = 3600
 NAMED_TTL = 2 * 24 * 3600

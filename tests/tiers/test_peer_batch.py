@@ -16,15 +16,19 @@ import os
 import nats
 import pytest
 import torch
-
-from shared.aio import wait_event
-from shared.cache_policy.base import LRUPolicy
-from shared.tiers.l2_host import HostTier
-from shared.tiers.miss import Miss, MissCounters, MissReason, Tier
-from shared.tiers.peer_nats import NatsPeerClient, NatsPeerServer, peer_fetch_subject
-from shared.transfer.credit_window import CreditWindow, TransferCancelled
-from shared.transfer.nats_wire import NatsWire, WireUnsupported
-from shared.transfer.pieces import BlockAssembly, decode_request, encode_request, pack_messages
+from kvmesh.aio import wait_event
+from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer, peer_fetch_subject
+from kvmesh.transfer.credit_window import CreditWindow, TransferCancelled
+from kvmesh.transfer.nats_wire import NatsWire, WireUnsupported
+from kvmesh.transfer.pieces import (
+    BlockAssembly,
+    decode_request,
+    encode_request,
+    pack_messages,
+)
 
 from .conftest import FINGERPRINT, make_chain
 
@@ -250,7 +254,7 @@ async def test_the_wire_refuses_a_server_that_wants_tls() -> None:
 
 def test_transfer_engines_bench_runs_the_kvmesh_paths() -> None:
     """bench/transfer_engines.py end to end at a tiny size (its numbers are not checked, only its shape)."""
-    from bench.transfer_engines import run
+    from kvmesh.bench.transfer_engines import run
 
     only = ["memcpy", "kvmesh_shm", "nats_per_block", "nats_batch"]
     result = run(argparse.Namespace(mib=8, block_mib=2, reps=1, only=only))

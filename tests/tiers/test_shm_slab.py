@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.tiers.extents import ExtentAllocator
-from shared.tiers.shm_slab import SlabArena, SlabReader, slab_name
+from kvmesh.tiers.extents import ExtentAllocator
+from kvmesh.tiers.shm_slab import SlabArena, SlabReader, slab_name
 
 
 def _key(home: int, tag: int) -> bytes:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.toolcalls.formats import HERMES, LLAMA3_JSON
-from shared.toolcalls.parse import parse_output
-from shared.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
+from kvmesh.toolcalls.formats import HERMES, LLAMA3_JSON
+from kvmesh.toolcalls.parse import parse_output
+from kvmesh.toolcalls.stream import ArgsDelta, CallStart, TextDelta, ToolCallStream
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -7,10 +7,15 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.toolcalls.formats import HERMES, LLAMA3_JSON, ToolFormat
-from shared.toolcalls.parse import parse_output
-from shared.toolcalls.stream import ArgsDelta, CallStart, Delta, TextDelta, ToolCallStream
+from kvmesh.toolcalls.formats import HERMES, LLAMA3_JSON, ToolFormat
+from kvmesh.toolcalls.parse import parse_output
+from kvmesh.toolcalls.stream import (
+    ArgsDelta,
+    CallStart,
+    Delta,
+    TextDelta,
+    ToolCallStream,
+)
 
 NAMES = ("get_weather", "f")
 

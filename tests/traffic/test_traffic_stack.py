@@ -15,17 +15,16 @@ import anthropic
 import nats
 import openai
 import pytest
-from typer.testing import CliRunner
-
 from ingress.serving_stack import ServingStack, one_of_each
-from shared.cli.main import app
-from shared.config import load_settings
-from shared.protocol.traffic import session_tag, tenant_tag
-from shared.stack.belady_status import parse_gauges
-from shared.stack.state import Endpoint, StackState, save_state
-from shared.stack.status import stack_status
-from shared.stack.servers import S3Server
-from shared.traffic.reader import read_records
+from kvmesh.cli.main import app
+from kvmesh.config import load_settings
+from kvmesh.protocol.traffic import session_tag, tenant_tag
+from kvmesh.stack.belady_status import parse_gauges
+from kvmesh.stack.servers import S3Server
+from kvmesh.stack.state import Endpoint, StackState, save_state
+from kvmesh.stack.status import stack_status
+from kvmesh.traffic.reader import read_records
+from typer.testing import CliRunner
 
 KEYS = {"sk-acme": "acme", "sk-bravo": "bravo"}
 L1_BLOCKS = 8  # the live Belady's what-if fleet L1: small, so Belady has to choose

@@ -9,18 +9,17 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.eviction.access_window import KEY_BYTES, AccessWindow, as_trace
-from shared.eviction.live_belady import compute
-from shared.ingress.traffic_hook import cache_writes
-from shared.protocol.base import ProtocolError
-from shared.protocol.serving import CachePin
-from shared.protocol.traffic import TrafficRecord, hash_id, session_tag, tenant_tag
-from shared.sim.run import run_one
-from shared.sim.trace import block_key, load_trace, parse_line
-from shared.tiers.miss import Tier
-from shared.traffic.tiers import tier_tokens
-from shared.traffic.trace_lines import to_trace_line, trace_lines, write_trace
+from kvmesh.eviction.access_window import KEY_BYTES, AccessWindow, as_trace
+from kvmesh.eviction.live_belady import compute
+from kvmesh.ingress.traffic_hook import cache_writes
+from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.serving import CachePin
+from kvmesh.protocol.traffic import TrafficRecord, hash_id, session_tag, tenant_tag
+from kvmesh.sim.run import run_one
+from kvmesh.sim.trace import block_key, load_trace, parse_line
+from kvmesh.tiers.miss import Tier
+from kvmesh.traffic.tiers import tier_tokens
+from kvmesh.traffic.trace_lines import to_trace_line, trace_lines, write_trace
 
 
 def rec(at: float, ids: list[int], cached: int = 0, block_tokens: int = 16, **kw) -> TrafficRecord:

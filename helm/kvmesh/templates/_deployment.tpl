@@ -1,6 +1,6 @@
 {{/*
 The Deployment of one kvmesh service. Every component runs the same image as
-`python -m services.<module>`; an init container declares the JetStream
+`python -m kvmesh.services.<module>`; an init container declares the JetStream
 streams first (create-or-update, idempotent) because the runner only binds
 consumers; it connects as NATS's admin user, the service container as its
 own role's user (component name = role, shared/bus/permissions.py). Probes
@@ -66,7 +66,7 @@ spec:
         - name: {{ .component }}
           image: {{ include "kvmesh.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          command: ["python", "-m", "services.{{ .module }}"]
+          command: ["python", "-m", "kvmesh.services.{{ .module }}"]
           ports:
             - name: metrics
               containerPort: {{ $root.Values.settings.sidePort }}

@@ -1,12 +1,12 @@
-"""A service on the real runner (shared.service.runner) for the stack tests: nothing but its heartbeat.
+"""A service on the real runner (kvmesh.service.runner) for the stack tests: nothing but its heartbeat.
 
 `kvmesh up` must give it what every kvmesh service needs: NATS URL, worker
 id, HTTP port, and declared streams (the `workers` bucket its heartbeat
 writes to).
 """
 
-from shared.protocol.messages import Role
-from shared.service.runner import ServiceContext, run_service
+from kvmesh.protocol.messages import Role
+from kvmesh.service.runner import ServiceContext, run_service
 
 
 async def setup(ctx: ServiceContext) -> None:

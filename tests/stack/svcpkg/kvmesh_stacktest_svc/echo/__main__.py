@@ -1,6 +1,6 @@
 """A minimal service for the stack tests, run by `kvmesh up` like any kvmesh service.
 
-It reads its settings the way services do (shared.config), serves
+It reads its settings the way services do (kvmesh.config), serves
 GET /readyz (200) and GET /settings (what it was told), and exits 0 on
 SIGTERM. STACKTEST_EXIT_AT_START=1 makes it fail at once (exit 3);
 STACKTEST_NEVER_READY=1 makes /readyz answer 503 forever;
@@ -16,7 +16,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from shared.config import load_settings
+from kvmesh.config import load_settings
 
 
 def main() -> None:
