@@ -280,3 +280,39 @@ def soak(
                      warmup_s=warmup_s, png=png)
     typer.echo(json.dumps(run_soak(cfg), indent=None if json_out else 2))
 
+
+@app.command()
+def peer(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM (bench/make_peer_venv.sh).")] = None,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir both serve; default: SmolLM2-135M-Instruct, "
+                                                    "imported into --out the way `kvmesh up` does.")] = None,
+    out: Annotated[Path, typer.Option(help="Where the JSON, the PNG, vLLM's log and kvmesh's state dir go.")] = Path(".kvmesh/bench-peer"),
+    sessions: Annotated[int, typer.Option(min=1, help="(a) concurrent agent sessions.")] = 8,
+    calls: Annotated[int, typer.Option(min=1, help="(a) calls per agent session (fewer where the context is full).")] = 10,
+    chat_users: Annotated[int, typer.Option(min=1, help="(b) chat users sharing a system prompt.")] = 6,
+    chat_turns: Annotated[int, typer.Option(min=1, help="(b) turns per chat user.")] = 5,
+    chat_qps: Annotated[float, typer.Option(help="(b) arrival rate of chat requests.")] = 0.6,
+    long_tokens: Annotated[int, typer.Option(help="(c) the long prompt's tokens.")] = 6000,
+    decode_tokens: Annotated[int, typer.Option(help="(d) answer length asked per stream.")] = 64,
+    batches: Annotated[str, typer.Option(help="(d) concurrent streams per decode run, comma-separated.")] = "1,8,32",
+    threads: Annotated[int, typer.Option(min=1, help="vLLM's torch threads (OMP_NUM_THREADS).")] = 2,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+) -> None:
+    """kvmesh against vLLM: same box, same checkpoint, same requests, one after the other (docs/peer.md)."""
+    from kvmesh.bench.peer import HOW_TO_PEER, PeerConfig, peer_version, run_peer_bench
+
+    if peer_python is None or peer_version(peer_python) is None:
+        why = "no --peer-python given" if peer_python is None else f"{peer_python} cannot import vllm"
+        typer.echo(f"{why}.\n{HOW_TO_PEER}", err=True)
+        raise typer.Exit(2)
+    if model is None:
+        from kvmesh.stack.model import default_model_dir
+
+        model = default_model_dir(out)
+    cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
+                     calls=calls, chat_users=chat_users, chat_turns=chat_turns, chat_qps=chat_qps,
+                     long_tokens=long_tokens, decode_tokens=decode_tokens,
+                     batches=tuple(int(b) for b in batches.split(",") if b.strip()), threads=threads, seed=seed)
+    result = run_peer_bench(cfg, lambda line: typer.echo(f"[peer] {line}", err=True))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))

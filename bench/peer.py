@@ -1,0 +1,252 @@
+"""`kvmesh bench peer`: kvmesh against vLLM on the same box, the same checkpoint, one after the other.
+
+What a user would run instead of kvmesh is one vLLM server with prefix caching. Both serve the same
+HF-format checkpoint dir (by default SmolLM2-135M-Instruct as `kvmesh up` imports it) and get the same
+requests (bench/peer_workloads.py), driven by the same client code (bench/peer_drive.py). They never run
+at once: vLLM first (started by PID from `--peer-python`, a venv made by bench/make_peer_venv.sh), then
+the kvmesh stack through `kvmesh up`, each fresh, each on the whole box. vLLM gets `--threads` torch
+threads (OMP_NUM_THREADS); kvmesh's prefill and decode processes use torch's default, one thread per core
+each (they share the cores). Both are written into the JSON.
+
+Out: one JSON object (per workload, per system: TTFT p50/p90/p99/mean, requests/s, decode tok/s,
+cached/prompt, errors; then kvmesh/vLLM ratios, above 1 meaning kvmesh is slower), the kvmesh
+per-request breakdown (bench/peer_breakdown.py), and a PNG of the TTFT distributions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.bench import peer_workloads as wl
+from kvmesh.bench.peer_breakdown import breakdown
+from kvmesh.bench.peer_drive import Timing, run_open_loop, run_sessions, send, summary
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_READY_S = 900.0
+HOW_TO_PEER = """kvmesh bench peer needs a Python with vLLM to compare against. Make one (about 4 minutes, 3.5 GB):
+
+    bash bench/make_peer_venv.sh ../peer-venv
+
+then pass it: kvmesh bench peer --peer-python ../peer-venv/bin/python"""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    peer_python: Path
+    model_dir: Path
+    out_dir: Path
+    sessions: int = 8
+    calls: int = 10
+    agent_max_tokens: int = 32
+    chat_users: int = 6
+    chat_turns: int = 5
+    chat_qps: float = 0.6
+    chat_max_tokens: int = 32
+    long_tokens: int = 6000
+    decode_tokens: int = 64
+    batches: tuple[int, ...] = (1, 8, 32)
+    threads: int = 2
+    kv_cache_gib: int = 3
+    seed: int = 0
+
+
+def peer_version(python: Path) -> str | None:
+    """vLLM's version in that interpreter, None when it has none."""
+    try:
+        got = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return got.stdout.strip().splitlines()[-1] if got.returncode == 0 and got.stdout.strip() else None
+
+
+def build_workloads(cfg: PeerConfig) -> wl.Workloads:
+    from kvmesh.engine.checkpoint import read_json
+    from kvmesh.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(cfg.model_dir)
+    context = int(read_json(cfg.model_dir / "config.json")["max_position_embeddings"])
+
+    def tokens(messages: list[dict]) -> int:
+        return len(tok.encode(tok.apply_chat_template(messages)))
+
+    sessions, cut = wl.agent_sessions(REPO, cfg.sessions, cfg.calls, cfg.agent_max_tokens, context, tokens, cfg.seed)
+    return wl.Workloads(
+        agents=sessions,
+        chat=wl.chat_requests(cfg.chat_users, cfg.chat_turns, cfg.chat_qps, cfg.chat_max_tokens, cfg.seed),
+        long=wl.long_prompt(tokens, cfg.long_tokens, 16, cfg.seed),
+        decode=wl.decode_batches(cfg.batches, cfg.decode_tokens),
+        notes={"context": context, "agent_calls": sum(len(s.calls) for s in sessions),
+               "agent_calls_cut_to_fit_context": cut,
+               "agent_replay": "recorded history; tool calls as text (the model's template has no tool syntax)"})
+
+
+async def drive(base_url: str, api_key: str, model: str, w: wl.Workloads, say: Callable[[str], None]) -> dict:
+    """Every workload in a fixed order against one server: timings and wall seconds per workload."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    runs: dict[str, tuple[list[Timing], float]] = {}
+
+    async def timed(name: str, work) -> None:
+        start = time.monotonic()
+        got = await work
+        runs[name] = (got, time.monotonic() - start)
+        s = summary(got, runs[name][1])
+        say(f"{name}: {s['requests']} requests, {s['errors']} errors, TTFT mean {s['ttft_s']['mean']} s")
+
+    cold = await send(client, model, "long_cold", w.long)
+    warm = await send(client, model, "long_warm", w.long)
+    runs["long_cold"], runs["long_warm"] = ([cold], 0.0), ([warm], 0.0)
+    say(f"long prompt: cold TTFT {cold.ttft_s if cold.ok else cold.error}, warm {warm.ttft_s if warm.ok else warm.error}")
+    for batch, calls in w.decode.items():
+        await timed(f"decode_b{batch}", asyncio.gather(*(send(client, model, f"decode_b{batch}", c) for c in calls)))
+    await timed("chat", run_open_loop(client, model, "chat", w.chat))
+    await timed("agents", run_sessions(client, model, w.agents, say))
+    await client.close()
+    return runs
+
+
+@contextmanager
+def vllm_server(cfg: PeerConfig, port: int, say: Callable[[str], None]) -> Iterator[Path]:
+    """vLLM's OpenAI server on the checkpoint, started and stopped by PID; yields its log path."""
+    import httpx
+
+    log = cfg.out_dir / "vllm.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    argv = [str(cfg.peer_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_dir),
+            "--served-model-name", cfg.model_dir.name, "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + VLLM_READY_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited {proc.returncode} while starting:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM not ready within {VLLM_READY_S:.0f}s")
+            time.sleep(2)
+        say("vLLM ready")
+        yield log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+def _ratio(ours, theirs) -> float | None:
+    return round(ours / theirs, 3) if isinstance(ours, int | float) and isinstance(theirs, int | float) and theirs else None
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    """kvmesh / vLLM for the TTFTs (above 1: kvmesh slower); vLLM / kvmesh would be the speed-up."""
+    return {k: _ratio(ours["ttft_s"][k], theirs["ttft_s"][k]) for k in ("p50", "p90", "p99", "mean")} | {
+        "requests_per_s": _ratio(ours["requests_per_s"], theirs["requests_per_s"]),
+        "decode_tok_s_per_stream": _ratio(ours["decode_tok_s_per_stream"], theirs["decode_tok_s_per_stream"]),
+        "output_tok_s": _ratio(ours["output_tok_s"], theirs["output_tok_s"])}
+
+
+def plot(ttfts: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Step CDFs of TTFT per workload with at least 5 requests, both systems on each panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, sides in ttfts.items() if min(len(v) for v in sides.values()) >= 5]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for system, style in (("vllm", "-"), ("kvmesh", "--")):
+            xs = ttfts[name][system]
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post", label=system)
+        ax.set_title(f"{name} ({len(ttfts[name]['vllm'])} requests)")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of requests")
+    axes[0][0].legend()
+    fig.suptitle("TTFT: kvmesh and vLLM, same box and checkpoint, one after the other", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _vllm_threads(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if "thread" in ln.lower()]
+    return lines[-1][-200:] if lines else ""
+
+
+def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
+    from kvmesh.bench.serve import KEY, ServeBenchConfig, running_stack
+    from kvmesh.stack.servers import free_port
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    w = build_workloads(cfg)
+    say(f"workloads: {w.notes}")
+    runs: dict[str, dict] = {}
+    port = free_port()
+    say("starting vLLM (about 2 minutes to load)")
+    with vllm_server(cfg, port, say) as vlog:
+        runs["vllm"] = asyncio.run(drive(f"http://127.0.0.1:{port}/v1", "none", cfg.model_dir.name, w, say))
+    vllm_threads = _vllm_threads(vlog)
+    state_dir = cfg.out_dir / "kvmesh-state"
+    env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600"}
+    with running_stack(cfg.model_dir, ServeBenchConfig(model_dir=cfg.model_dir), True, _Say(say), env, state_dir) as url:
+        say("kvmesh ready")
+        runs["kvmesh"] = asyncio.run(drive(url, KEY, cfg.model_dir.name, w, say))
+        parts = breakdown([t for timings, _ in runs["kvmesh"].values() for t in timings], state_dir / "logs")
+    import torch
+
+    result: dict = {"bench": "peer", "model": cfg.model_dir.name, "workload_notes": w.notes,
+                    "compute": {"cpus": os.cpu_count(), "vllm_torch_threads": cfg.threads,
+                                "vllm_thread_log": vllm_threads,
+                                "kvmesh": f"prefill-0 and decode-0, torch default threads each ({torch.get_num_threads()} "
+                                          "here), sharing the same cores"},
+                    "vllm_version": peer_version(cfg.peer_python), "workloads": {}, "kvmesh_breakdown": parts}
+    for name in runs["vllm"]:
+        if name.startswith("long_"):  # one request each
+            one = {s: runs[s][name][0][0] for s in ("vllm", "kvmesh")}
+            sides = {s: {"ttft_s": round(t.ttft_s, 4) if t.ok else None, "prompt_tokens": t.prompt_tokens,
+                         "cached_tokens": t.cached_tokens, "error": t.error} for s, t in one.items()}
+            result["workloads"][name] = {**sides, "ttft_kvmesh_over_vllm": _ratio(sides["kvmesh"]["ttft_s"],
+                                                                                  sides["vllm"]["ttft_s"])}
+        else:
+            sides = {s: summary(*runs[s][name]) for s in ("vllm", "kvmesh")}
+            result["workloads"][name] = {**sides, "kvmesh_over_vllm": compare(sides["kvmesh"], sides["vllm"])}
+    ttfts = {name: {s: sorted(round(t.ttft_s, 4) for t in runs[s][name][0] if t.ok) for s in ("vllm", "kvmesh")}
+             for name in runs["vllm"]}
+    result["ttft_s_sorted"] = ttfts  # every request's TTFT, for other plots
+    png = cfg.out_dir / "peer_ttft.png"
+    plot(ttfts, png)
+    result["plot"] = str(png)
+    (cfg.out_dir / "peer.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+class _Say:
+    """running_stack logs through a rich Console's `log`; route it to the bench's progress line."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+
+    def log(self, text: str) -> None:
+        self._say(text)

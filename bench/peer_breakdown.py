@@ -1,0 +1,71 @@
+"""Where a kvmesh request's time goes, from the client's token times and the prefill worker's own spans.
+
+The prefill worker logs one `prefilled` line per request (shared/serving/prefill_worker.py) when it has
+stored the blocks: its wall-clock timestamp and the milliseconds of each span (`reach`: finding and
+restoring cached blocks, `engine`: queueing in the engine and the prefill itself, `token0`: publishing
+token 1, `store`: registering the blocks afterwards). Joined with the client's send time and token
+arrivals on the request id (the completion id's hex), on one box and one clock:
+
+- `to_prefill`: send -> the prefill worker starts (HTTP, admission, prompt rendering, routing with its
+  cache-index lookup, the JetStream hop, waiting for the worker);
+- `reach`, `engine`, `token0`: the spans above;
+- `token1_delivery`: token 1 published -> at the client (the token hop back and the SSE write);
+- `handoff`: the gap between tokens 1 and 2 beyond a steady token (decode fetching the KV and starting);
+- `tpot`: the median gap between later tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+from kvmesh.bench.peer_drive import Timing, pct
+
+STAGES = ("to_prefill", "reach", "engine", "token0", "token1_delivery", "handoff", "tpot", "store")
+
+
+def prefill_spans(log_dir: Path) -> dict[str, tuple[float, dict]]:
+    """request hex -> (the `prefilled` line's epoch seconds, its ms spans); the first attempt's line."""
+    out: dict[str, tuple[float, dict]] = {}
+    for path in sorted(log_dir.glob("prefill-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"prefilled"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("event") == "prefilled" and rec.get("request_id", "").startswith("req_"):
+                at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+                out.setdefault(rec["request_id"].removeprefix("req_"), (at, rec.get("ms") or {}))
+    return out
+
+
+def request_stages(t: Timing, line: tuple[float, dict]) -> dict[str, float]:
+    at, ms = line
+    span = {k: float(ms.get(k, 0.0)) / 1000 for k in ("reach", "engine", "token0", "store")}
+    started = at - sum(span.values())
+    token1_out = started + span["reach"] + span["engine"] + span["token0"]
+    stages = {"to_prefill": started - t.sent, **span, "token1_delivery": t.token_times[0] - token1_out}
+    gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    if len(gaps) >= 3:
+        steady = statistics.median(gaps[1:])
+        stages |= {"handoff": gaps[0] - steady, "tpot": steady}
+    return stages
+
+
+def breakdown(timings: list[Timing], log_dir: Path) -> dict:
+    """Per stage p50 and mean seconds over the requests that could be joined, per workload."""
+    spans = prefill_spans(log_dir)
+    out: dict[str, dict] = {}
+    for workload in sorted({t.workload for t in timings}):
+        rows = [request_stages(t, spans[key]) for t in timings if t.workload == workload and t.ok
+                and (key := t.request_id.rpartition("-")[2]) in spans]
+        if not rows:
+            continue
+        out[workload] = {"requests": len(rows), **{
+            stage: {"p50_s": round(pct(vals, 0.5), 4), "mean_s": round(statistics.fmean(vals), 4)}
+            for stage in STAGES if (vals := [r[stage] for r in rows if stage in r])}}
+    return out
