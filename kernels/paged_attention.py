@@ -91,9 +91,30 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
         # so GQA needs neither a mask nor expanded K/V.
         o = F.scaled_dot_product_attention(q.reshape(1, hkv, hq // hkv, d), k[None], v[None], scale=scale)
         return o.reshape(1, hq, d)
-    # Causal aligned bottom-right (query j sees keys 0 .. ctx - qlen + j); with no
-    # cached prefix this is plain is_causal and takes SDPA's causal fast path.
-    mask = causal_lower_right(qlen, ctx)
+    if qlen == ctx:  # no cached prefix: plain is_causal, SDPA's fused path (no mask, no score matrix)
+        return _sdpa_causal(q, k, v, scale)
+    # Over a cached prefix the causal mask is materialized, and with it a
+    # [Hq, rows, keys] score matrix: a 4k-token suffix over 20k keys held
+    # ~400 MB for one layer. Query rows go in slices that bound it; slice
+    # rows j0..j1 see keys 0 .. past + j1, the same keys as unsliced.
+    out = torch.empty_like(q)
+    past = ctx - qlen
+    rows = max(_MIN_ROWS, _SCORE_BUDGET // (ctx * hq))
+    for j0 in range(0, qlen, rows):
+        j1 = min(qlen, j0 + rows)
+        out[j0:j1] = _sdpa_causal(q[j0:j1], k[:, : past + j1], v[:, : past + j1], scale)
+    return out
+
+
+# Score elements one SDPA call may hold (x4 bytes in float32), and the fewest query rows a slice takes.
+_SCORE_BUDGET = 1 << 25
+_MIN_ROWS = 64
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows of q are the last ones of k's sequence, causal aligned bottom-right
+    (query j of n sees keys 0 .. len(k) - n + j)."""
+    mask = causal_lower_right(q.shape[0], k.shape[1])
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -158,3 +158,30 @@ def test_paged_attention_rejects_query_lens_that_do_not_cover_q() -> None:
         paged_attention(
             case.q, case.kv_layer, case.block_tables, torch.tensor([2, 1], dtype=torch.int32), case.context_lens, 0.25
         )
+
+
+@pytest.mark.parametrize(("budget", "masks"), [(1, 10 + 1 + 6), (5000, 2 + 1 + 1), (1 << 25, 3)])
+def test_suffix_over_a_prefix_in_row_slices_matches_dense(monkeypatch: pytest.MonkeyPatch, budget: int,
+                                                          masks: int) -> None:
+    """A suffix over a cached prefix attends in slices of query rows, so its score matrix stays within a
+    budget: slices of the 3-row floor, two slices (the last ragged) and one slice all match the dense
+    reference."""
+    import kvmesh.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "_SCORE_BUDGET", budget)
+    monkeypatch.setattr(pa, "_MIN_ROWS", 3)
+    hq, hkv, d, bs = 4, 2, 32, 16
+    seqs = [(29, 61), (1, 40), (10, 10), (17, 33)]
+    case = make_case(seqs, hq, hkv, d, bs, seed=11)
+    scale = d**-0.5
+    mask, scores = pa.causal_lower_right, []
+
+    def counting(rows: int, keys: int):  # each mask stands for a [heads, rows, keys] score matrix
+        scores.append(hq * rows * keys)
+        return mask(rows, keys)
+
+    monkeypatch.setattr(pa, "causal_lower_right", counting)
+    got = paged_attention(case.q, case.kv_layer, case.block_tables, case.query_lens, case.context_lens, scale)
+    torch.testing.assert_close(got, dense_attention(case, scale), atol=1e-5, rtol=1e-5)
+    assert max(scores) <= max(budget, hq * 3 * 61)  # no call past the budget (or the row floor's)
+    assert len(scores) == masks  # (29, 61) and (17, 33) in ceil(rows / slice) calls; (10, 10) one; decode none
