@@ -30,9 +30,9 @@ from kvmesh.stack.servers import S3Server
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.miss import MissCounters
-from kvmesh.tiers.peer_nats import NatsPeerClient
-from kvmesh.tiers.peer_shm import ShmPeerClient
 from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.transfer.peer_nats import NatsPeerClient
+from kvmesh.transfer.peer_shm import ShmPeerClient
 
 WINDOW = 16  # blocks per window: one L3 chunk of 256 tokens at block size 16
 INFLIGHT = 4  # the workers' default `resolve_inflight`

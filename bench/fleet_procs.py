@@ -34,7 +34,8 @@ from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.cache_index.service import CacheIndex
 from kvmesh.config import BusSettings, EvictionSettings, IndexSettings, IngressSettings
 from kvmesh.eviction.service import EvictionService
-from kvmesh.ingress.router import Router, WorkerTable
+from kvmesh.ingress.routing.router import Router
+from kvmesh.ingress.routing.workers import WorkerTable
 from kvmesh.log import configure_logging
 from kvmesh.protocol import subjects
 from kvmesh.protocol.messages import Role

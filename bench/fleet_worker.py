@@ -22,12 +22,12 @@ from kvmesh.bus.consumer import ConsumerLoop
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import BusSettings, IndexSettings
 from kvmesh.eviction.messages import Demote, WorkerCommand
-from kvmesh.eviction.worker_commands import command_consumer
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Role
 from kvmesh.service.heartbeat import HeartbeatLoop
-from kvmesh.tiers.miss import Tier
+from kvmesh.serving.worker_commands import command_consumer
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext

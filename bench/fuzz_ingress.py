@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvmesh.ingress.errors import Dialect, dialect_of
+from kvmesh.ingress.core.errors import Dialect, dialect_of
 
 TOKEN_CAP = 4  # completion tokens of a fuzzed request that names the served model: keeps generation short
 AUTH_HEADERS = ("authorization", "x-api-key")
@@ -147,7 +147,7 @@ def fuzz(base_url: str, key: str, cfg: FuzzConfig = FuzzConfig()) -> FuzzReport:
 @contextmanager
 def own_stack(say: Any) -> Iterator[tuple[str, str]]:
     """(ingress URL, API key) of a `kvmesh up` stack with the tiny preset, in a temp dir; always `kvmesh down`."""
-    from kvmesh.stack.servers import free_port
+    from kvmesh.net import free_port
 
     bindir = Path(sys.executable).parent
     key = "sk-fuzz"

@@ -36,9 +36,9 @@ from kvmesh.kv_events.event_log import EventLog
 from kvmesh.kv_events.events import KVEventBatch
 from kvmesh.log import configure_logging
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import declare_all
 from kvmesh.stack.servers import NatsServer
-from kvmesh.tiers.miss import Tier
 from rich.console import Console
 from rich.progress import Progress
 

@@ -36,8 +36,8 @@ from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import BusSettings
 from kvmesh.log import configure_logging
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.stack.servers import NatsServer
-from kvmesh.tiers.miss import Tier
 
 _BUCKET_MAX = 1 << 30  # the snapshot bucket's max_bytes (shared/cache_index/snapshot.py)
 _MEASURED_MAX = 320 << 20  # larger blobs are projected, not built: encoding one takes minutes on 2 cores

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
 from kvmesh.engine.kv_block import KVBlock
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from kvmesh.cache_policy.base import LRUPolicy
 from kvmesh.tiers.arena import HeapArena
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.peer_nats import NatsPeerServer
 from kvmesh.tiers.shm_slab import SlabArena
+from kvmesh.transfer.peer_nats import NatsPeerServer
 
 
 def fill(spec: ChainSpec, worker_id: str, shm: bool) -> HostTier:

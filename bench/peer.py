@@ -197,7 +197,7 @@ def _vllm_threads(log: Path) -> str:
 
 def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     from kvmesh.bench.serve import KEY, ServeBenchConfig, running_stack
-    from kvmesh.stack.servers import free_port
+    from kvmesh.net import free_port
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     w = build_workloads(cfg)

@@ -32,9 +32,9 @@ from kvmesh.stack.servers import NatsServer
 from kvmesh.tiers.block_format import decode_block, encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.miss import Miss, MissCounters
-from kvmesh.tiers.peer_http import HttpPeerClient, peer_router, serve_in_loop
-from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
 from kvmesh.tiers.shm_slab import SlabArena, SlabReader
+from kvmesh.transfer.peer_http import HttpPeerClient, peer_router, serve_in_loop
+from kvmesh.transfer.peer_nats import NatsPeerClient, NatsPeerServer
 from rich.console import Console
 from rich.progress import Progress
 

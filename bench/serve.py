@@ -68,7 +68,7 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
 
     `extra_env` adds settings (`KVMESH_...`) for every service of the stack; `state_dir` (instead
     of a temp dir) lets the caller read the stack's state file (`stack.json`: every endpoint)."""
-    from kvmesh.stack.servers import free_port
+    from kvmesh.net import free_port
 
     kvmesh = str(Path(sys.executable).parent / "kvmesh")
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as scratch:
@@ -187,7 +187,7 @@ async def overhead(base_url: str, model: str, model_dir: Path, w: Workload, cfg:
     from kvmesh.engine.engine import Engine
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling import SamplingParams
-    from kvmesh.ingress.prompt import PromptBuilder
+    from kvmesh.ingress.core.prompt import PromptBuilder
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, EngineSettings())

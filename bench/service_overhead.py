@@ -38,8 +38,8 @@ KEY = "sk-bench-overhead"
 @contextmanager
 def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, str, Path]]:
     """(ingress base URL, NATS URL with the admin's credentials, state dir) of a stack of our own; always `kvmesh down`."""
-    from kvmesh.stack.nats_credentials import admin_auth
-    from kvmesh.stack.servers import free_port
+    from kvmesh.credentials.nats import admin_auth
+    from kvmesh.net import free_port
     from kvmesh.stack.state import load_state
 
     kvmesh = str(Path(sys.executable).parent / "kvmesh")
@@ -114,7 +114,7 @@ async def measure(url: str, nats_url: str, model_dir: Path, sizes: list[int], n:
     from kvmesh.engine.engine import Engine
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling import SamplingParams
-    from kvmesh.ingress.prompt import PromptBuilder
+    from kvmesh.ingress.core.prompt import PromptBuilder
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, EngineSettings())

@@ -171,8 +171,8 @@ async def _drive(base_url: str, model: str, sessions: list[AgentSession], tools:
 async def _dead_letters(state_dir: Path) -> int:
     import nats
     from kvmesh.bus.client_auth import connect_kwargs
+    from kvmesh.credentials.nats import admin_auth
     from kvmesh.protocol.streams import DEAD_LETTER
-    from kvmesh.stack.nats_credentials import admin_auth
 
     url = json.loads((state_dir / "stack.json").read_text())["nats_url"]
     nc = await nats.connect(**connect_kwargs(url, admin_auth(state_dir)))

@@ -11,7 +11,7 @@ times, each with the token subject configured another way:
 The generator is the decode worker's real `TokenStream` (one token added
 per engine step, the next step once the ingress-side subscriber has the
 event, so N tokens are N events); the reader is a core subscription as in
-`shared/ingress/supervisor.py`. Measured on the nats-server process over the
+`shared/ingress/supervision/request_run.py`. Measured on the nats-server process over the
 run, per token: `disk_write_bytes` (`/proc/<pid>/io` `write_bytes`, what
 reached the block device; 0 on tmpfs), `stored_bytes` (the stream's own
 byte count), and, for scale, `all_write_calls` / `all_written_bytes`

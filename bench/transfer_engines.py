@@ -116,7 +116,7 @@ def _owner_kvmesh(out, kind: str, nbytes: int, block_mib: int, url: str, stop) -
 
     async def serve() -> None:
         import nats
-        from kvmesh.tiers.peer_nats import NatsPeerServer
+        from kvmesh.transfer.peer_nats import NatsPeerServer
 
         nc = await nats.connect(url)
         server = NatsPeerServer(nc, tier, worker, chunk_bytes=MIB if kind == "nats_per_block" else None,
@@ -180,7 +180,7 @@ def _read_shm(kind, info, nbytes, block, reps, url) -> list[float]:
 
 def _read_kvmesh_shm(kind, info, nbytes, block, reps, url) -> list[float]:
     from kvmesh.tiers.miss import Miss, MissCounters
-    from kvmesh.tiers.peer_shm import ShmPeerClient
+    from kvmesh.transfer.peer_shm import ShmPeerClient
 
     client = ShmPeerClient(FP, MissCounters())
 
@@ -195,7 +195,7 @@ def _read_kvmesh_shm(kind, info, nbytes, block, reps, url) -> list[float]:
 def _read_nats(kind, info, nbytes, block, reps, url) -> list[float]:
     import nats
     from kvmesh.tiers.miss import Miss, MissCounters
-    from kvmesh.tiers.peer_nats import NatsPeerClient
+    from kvmesh.transfer.peer_nats import NatsPeerClient
 
     async def run() -> list[float]:
         nc = await nats.connect(url)

@@ -20,8 +20,8 @@ from kvmesh.cache_index.messages import SnapshotReply, SnapshotRequest
 from kvmesh.chaos.stack import nats_client
 from kvmesh.kv_events.dump import DumpError, fetch_dump
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import KV_EVENTS
-from kvmesh.tiers.miss import Tier
 from nats.js import JetStreamContext
 
 SNAPSHOT_NAME = "index"  # IndexSettings.snapshot_name's default: the chaos stack keeps it

@@ -17,7 +17,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from kvmesh.stack.servers import free_port
+from kvmesh.net import free_port
 
 
 @dataclass(frozen=True, slots=True)

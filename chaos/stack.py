@@ -25,16 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.chaos.proxy import FaultProxy
+from kvmesh.net import free_port, port_in_use
 from kvmesh.stack.declare import declare_streams
 from kvmesh.stack.probe import wait_http_ok
 from kvmesh.stack.servers import (
     ManagedProcess,
     NatsServer,
     S3Server,
-    free_port,
     nats_cluster,
     pid_alive,
-    port_in_use,
     spawn_process,
 )
 

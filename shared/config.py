@@ -234,7 +234,7 @@ class IngressSettings(BaseModel):
     max_attempts: int = 3  # prefill retries + decode migrations per request
     request_deadline_s: float = 600.0
     assistant_memory: int = 4096  # per tenant: assistant texts whose generated ids are spliced back into prompts
-    # cache-aware prefill routing (shared/ingress/routing_cost.py): seconds per block to bring a cached block in
+    # cache-aware prefill routing (shared/ingress/routing/cost.py): seconds per block to bring a cached block in
     routing: Literal["cost", "load", "round_robin"] = "cost"  # "cost" (prefix + load), "load" (least loaded), "round_robin" (tests, benchmarks)
     index_timeout_s: float = 0.05  # cache-index lookup; no answer by then -> route by load (counted as degraded)
     prefill_s_per_token: float = 2e-4  # prior prefill rate until a worker's own is measured (EWMA of TTFT/token)

@@ -56,14 +56,14 @@ def auth_nats_server(tmp_path_factory: pytest.TempPathFactory):
     """A NATS server with users, as `kvmesh up` starts it: (server, credentials).
 
     Per-id users ingress-0, prefill-0, prefill-1, decode-0, cache_index-0, eviction-0 and admin
-    (shared/stack/nats_credentials.py), plus per-role users `prefill` and `decode` (any id of
+    (shared/credentials/nats.py), plus per-role users `prefill` and `decode` (any id of
     their role: the fallback where ids are unknown). Credentials hold all of them.
     """
     from dataclasses import replace
 
     from kvmesh.bus.auth_config import NatsUser
     from kvmesh.bus.permissions import permissions
-    from kvmesh.stack.nats_credentials import load_or_create_nats_credentials
+    from kvmesh.credentials.nats import load_or_create_nats_credentials
 
     root = tmp_path_factory.mktemp("nats-auth")
     wanted = {"ingress-0": "ingress", "prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode",

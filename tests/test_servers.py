@@ -6,7 +6,8 @@ import io
 
 import nats
 import pytest
-from kvmesh.stack.servers import NatsServer, S3Server, port_in_use
+from kvmesh.net import port_in_use
+from kvmesh.stack.servers import NatsServer, S3Server
 
 
 async def test_nats_jetstream_sync_always(nats_server: NatsServer) -> None:

@@ -1,6 +1,6 @@
 """The ingress service: `python -m kvmesh.services.ingress` (logic in shared/ingress)."""
 
-from kvmesh.ingress.service import setup
+from kvmesh.ingress.server.service import setup
 from kvmesh.protocol.messages import Role
 from kvmesh.service.runner import run_service
 

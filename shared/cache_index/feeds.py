@@ -27,7 +27,7 @@ from kvmesh.kv_events.events import (
     KVEvent,
     KVEventBatch,
 )
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 MAX_HELD = 10_000  # events held during a gap; beyond, the dump (plus a later one) covers them
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 L3_BIT = 1
 _TIER_OFFSET = {Tier.L1: 1, Tier.L2: 2}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvmesh.cache_index.index import LookupResult
 from kvmesh.kv_events.events import HexHash
 from kvmesh.protocol.base import Message
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 from pydantic import Field
 
 

@@ -75,7 +75,7 @@ class ChatSession:
 def discover(url: str | None, key: str | None, state_dir: Path | None) -> tuple[str, str]:
     """(base url ending in /v1, API key) from the options, else the settings and the state dir's keys file."""
     from kvmesh.config import load_settings
-    from kvmesh.ingress.auth import KEYS_FILE, parse_keys
+    from kvmesh.ingress.admission.auth import KEYS_FILE, parse_keys
 
     settings = load_settings()
     if url is None:

@@ -35,10 +35,10 @@ def convert(
     adapter: Annotated[str, typer.Option(help="Adapter name the blocks were hashed with.")] = "",
 ) -> None:
     """Rewrite a KV file in another layout, dtype and/or block size."""
-    from kvmesh.engine.block_hash import HashKeys
     from kvmesh.kvconvert.errors import IncompatibleKV
     from kvmesh.kvconvert.safetensors_io import export_safetensors, import_safetensors
     from kvmesh.kvconvert.transform import convert_dtype, convert_layout, rechunk
+    from kvmesh.protocol.block_hash import HashKeys
 
     try:
         blocks = import_safetensors(src)
@@ -104,10 +104,10 @@ def import_cmd(
 ) -> None:
     """Upload a KV file's chains into L3 (idempotent: chunks already there are skipped)."""
     from kvmesh.config import load_settings
+    from kvmesh.credentials.s3 import read_credentials
     from kvmesh.kvconvert.errors import IncompatibleKV
     from kvmesh.kvconvert.safetensors_io import import_safetensors
     from kvmesh.kvconvert.transform import convert_layout, split_chains
-    from kvmesh.stack.credentials import read_credentials
     from kvmesh.tiers.block_format import encode_block
     from kvmesh.tiers.l3_store import S3_DOWN_ERRORS, L3Store, L3Unavailable
     from kvmesh.tiers.s3_client import fast_fail_client

@@ -39,7 +39,7 @@ def _records(trace: Path | None, state_dir: Path, since: float | None):
             return keep_since(load_records(trace), since)
         except RecordsError as exc:
             raise typer.BadParameter(str(exc)) from None
-    from kvmesh.traffic.stack_access import NoStack, read_stack_records
+    from kvmesh.stack.traffic_access import NoStack, read_stack_records
 
     try:
         return asyncio.run(read_stack_records(state_dir, since))

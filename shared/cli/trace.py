@@ -98,7 +98,7 @@ def record(
 
     from kvmesh.cli.report import parse_duration
     from kvmesh.config import load_settings
-    from kvmesh.traffic.stack_access import NoStack, read_stack_records
+    from kvmesh.stack.traffic_access import NoStack, read_stack_records
     from kvmesh.traffic.trace_lines import write_trace
 
     start = None if since is None else time.time() - parse_duration(since)

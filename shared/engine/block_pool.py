@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvmesh.engine.block_hash import BlockHash
+from kvmesh.protocol.block_hash import BlockHash
 
 
 @dataclass(slots=True)

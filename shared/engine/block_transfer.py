@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block
 from kvmesh.engine.block_pool import Block
 from kvmesh.engine.kv_block import KVBlock
 from kvmesh.engine.prefix_cache import PrefixCache
@@ -28,6 +27,7 @@ from kvmesh.kernels.block_copy import (
     gather_blocks,
     scatter_blocks,
 )
+from kvmesh.protocol.block_hash import BlockHash, HashKeys, hash_block
 
 
 @dataclass(slots=True)

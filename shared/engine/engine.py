@@ -20,7 +20,6 @@ from kvmesh.cache_policy.base import EvictionPolicy
 from kvmesh.cache_policy.registry import get_policy
 from kvmesh.config import EngineSettings
 from kvmesh.engine.batch_builder import build_forward_batch
-from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_blocks
 from kvmesh.engine.block_pool import BlockPool
 from kvmesh.engine.block_transfer import (
     ImportResult,
@@ -39,6 +38,7 @@ from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams, make_generator, sample, skip_draws
 from kvmesh.engine.scheduler import ScheduledSeq, Scheduler
 from kvmesh.kernels.block_copy import SideStreamCopier
+from kvmesh.protocol.block_hash import BlockHash, HashKeys, hash_blocks
 
 
 class Engine:

@@ -15,7 +15,7 @@ import torch
 
 @dataclass(slots=True)
 class KVBlock:
-    block_hash: bytes  # 32-byte chained SHA-256 (shared/engine/block_hash.py)
+    block_hash: bytes  # 32-byte chained SHA-256 (shared/protocol/block_hash.py)
     parent_hash: bytes | None  # None for the first block of a chain
     token_ids: tuple[int, ...]  # exactly block_size tokens: only full blocks travel
     data: torch.Tensor  # [num_layers, 2, block_size, num_kv_heads, head_dim], NHD, on CPU

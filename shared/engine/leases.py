@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.block_pool import Block
 from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.protocol.block_hash import BlockHash
 
 
 class LeaseSet:

@@ -28,9 +28,9 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.cache_policy.pin_ledger import PinGrant, PinLedger
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.block_pool import Block
 from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.protocol.block_hash import BlockHash
 
 
 class PinSet:

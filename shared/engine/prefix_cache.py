@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.cache_policy.base import BlockInfo, EvictionPolicy, LRUPolicy
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.block_pool import Block, BlockPool
 from kvmesh.engine.evictable import make_evictable
+from kvmesh.protocol.block_hash import BlockHash
 
 
 class KVEventListener(Protocol):

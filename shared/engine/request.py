@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
 from kvmesh.engine.block_pool import Block
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol.block_hash import BlockHash, HashKeys, hash_block, hash_blocks
 
 if TYPE_CHECKING:
     from kvmesh.constrain.matcher import Matcher

@@ -11,8 +11,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvmesh.protocol.serving import SamplingSpec
 
 MIN_TEMPERATURE = 1e-4
 
@@ -47,6 +51,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def of(cls, spec: SamplingSpec, max_tokens: int | None = None) -> SamplingParams:
+        """The engine's parameters for a request's wire `SamplingSpec` (`max_tokens` overrides the spec's)."""
+        return cls(
+            max_tokens=spec.max_tokens if max_tokens is None else max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            seed=spec.seed,
+            stop=tuple(spec.stop),
+            stop_token_ids=tuple(spec.stop_token_ids),
+            ignore_eos=spec.ignore_eos,
+            constraint=None if spec.constraint is None else spec.constraint.model_dump_json(),
+        )
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -24,12 +24,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvmesh.config import EngineSettings
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.block_pool import Block
 from kvmesh.engine.leases import LeaseSet
 from kvmesh.engine.pins import PinSet
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.protocol.block_hash import BlockHash
 
 
 @dataclass(slots=True)

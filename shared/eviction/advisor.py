@@ -22,7 +22,7 @@ from kvmesh.eviction.decisions import Watermarks, plan_demotion
 from kvmesh.eviction.messages import Demote, WorkerCommand
 from kvmesh.eviction.occupancy import OccupancyView
 from kvmesh.eviction.pins import PinTable
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from kvmesh.kv_events.events import HexHash
 from kvmesh.protocol.base import Message
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 from pydantic import Field
 
 

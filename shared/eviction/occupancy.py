@@ -25,7 +25,7 @@ from kvmesh.kv_events.events import (
     KVEventBatch,
     WorkerCleared,
 )
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 WORKER_TIERS = (Tier.L1, Tier.L2)
 

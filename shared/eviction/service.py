@@ -63,13 +63,14 @@ from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.protocol.streams import KV_EVENTS, SESSIONS
 from kvmesh.service.watch import Change, follow_workers
 from kvmesh.sessions.book import BookConfig, SessionBook
 from kvmesh.sessions.events import SessionEvent
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import Miss, Tier
+from kvmesh.tiers.miss import Miss
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from kvmesh.config import SessionRetentionSettings
 from kvmesh.eviction.messages import Demote, Retain, WorkerCommand
 from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.protocol.blocks import Tier
 from kvmesh.sessions.book import SessionBook
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
-from kvmesh.tiers.miss import Tier
 
 
 @dataclass(slots=True)

@@ -1,1 +1,2 @@
-"""The HTTP ingress: dialects (OpenAI, Anthropic), auth, limits, prompts, routing and request supervision."""
+"""The ingress: the HTTP front door. Sub-packages follow a request top-down: dialects -> admission ->
+routing -> supervision -> the dialect's output; core holds the types they share, server wires them."""

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.kv_events.dump import WorkerState
 from kvmesh.kv_events.events import (
     BlockMoved,
@@ -29,7 +28,8 @@ from kvmesh.kv_events.events import (
     WorkerCleared,
 )
 from kvmesh.protocol import subjects
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.block_hash import BlockHash
+from kvmesh.protocol.blocks import Tier
 
 Source = Callable[[], tuple[list[bytes], list[bytes]]]  # the worker's (L1 hashes, L2 hashes) now
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvmesh.protocol.base import Message
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 from pydantic import Field, StringConstraints, model_validator
 
-# A block hash (SHA-256, shared/engine/block_hash.py) in lowercase hex.
+# A block hash (SHA-256, shared/protocol/block_hash.py) in lowercase hex.
 HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 # Tiers an index entry can name. PEER is a way of reaching another worker's L2, not a place.

@@ -24,12 +24,12 @@ from collections.abc import Iterable
 from kvmesh.aio import wait_event
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import IndexSettings
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.kv_events.dump import WorkerState, serve_dump
 from kvmesh.kv_events.event_log import EventLog, Source
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.block_hash import BlockHash
+from kvmesh.protocol.blocks import Tier
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 

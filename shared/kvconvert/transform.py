@@ -1,7 +1,7 @@
 """Layout, dtype and block-size conversion of verified blocks (`StoredBlock`s).
 
 Layout and dtype change the tensor only. Re-chunking changes what a block is,
-so it recomputes every hash with the chained hash of shared/engine/block_hash.py
+so it recomputes every hash with the chained hash of shared/protocol/block_hash.py
 and the chain's hash keys (model fingerprint, tenant salt, adapter); the keys
 are checked first by reproducing the source hashes. Merging needs whole
 groups: a chain's tail that does not fill a target block is dropped and
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_block
 from kvmesh.kvconvert.errors import IncompatibleKV
+from kvmesh.protocol.block_hash import BlockHash, HashKeys, hash_block
 from kvmesh.tiers.block_format import DTYPES, LAYOUTS, StoredBlock
 
 # Max abs error of one fp32 -> dtype -> fp32 round trip, relative to |x| (unit roundoff).

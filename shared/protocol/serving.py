@@ -18,14 +18,11 @@ handler is idempotent on (request_id, attempt).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from kvmesh.protocol.base import Message
-from kvmesh.tiers.handle import BlockHandle
+from kvmesh.protocol.blocks import BlockHandle
 from pydantic import Field
-
-if TYPE_CHECKING:  # the engine (torch) stays out of the ingress's imports
-    from kvmesh.engine.sampling import SamplingParams
 
 
 class ToolSchema(Message):
@@ -60,21 +57,6 @@ class SamplingSpec(Message):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # grammar-constrained decoding (tool_choice, response_format)
-
-    def to_params(self, max_tokens: int | None = None) -> SamplingParams:
-        from kvmesh.engine.sampling import SamplingParams
-
-        return SamplingParams(
-            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            constraint=None if self.constraint is None else self.constraint.model_dump_json(),
-        )
 
 
 class CachePin(Message):

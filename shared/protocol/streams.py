@@ -171,7 +171,7 @@ TRAFFIC = StreamSpec("TRAFFIC", (subjects.TRAFFIC_ALL,), 7 * DAY, 1 * GiB, 1 * M
 ALL_STREAMS: tuple[StreamSpec, ...] = (JOBS, HANDOFF, KV_EVENTS, COMMANDS, DEAD_LETTER, SESSIONS, TRAFFIC)
 # Streams earlier versions declared and this one deletes. TOKENS stored every token event (a disk write and
 # fsync each) that no one read back: the ingress takes them on core NATS, and a lost one is a seq gap it
-# recovers from by migration (shared/ingress/supervisor.py).
+# recovers from by migration (shared/ingress/supervision/request_run.py).
 RETIRED_STREAMS: tuple[str, ...] = ("TOKENS",)
 
 WORKERS = BucketSpec(subjects.WORKERS_BUCKET, max_bytes=64 * MiB, max_value_size=64 * 1024,

@@ -1,7 +1,7 @@
 """The served-traffic record: one `TrafficRecord` per finished request, on stream TRAFFIC.
 
 The ingress publishes it on `subjects.traffic(<ingress id>)` when a request's
-last token was delivered (shared/ingress/traffic_hook.py); `kvmesh trace
+last token was delivered (shared/ingress/sessions/traffic.py); `kvmesh trace
 record`, live Belady (shared/eviction/live_belady.py) and the cost report
 read it back (shared/traffic/reader.py). Its fields are a superset of a sim
 trace line (shared/sim/trace.py), so a recording replays through `kvmesh

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from kvmesh.bus.consumer import PermanentError
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import WorkerSettings
+from kvmesh.engine.sampling import SamplingParams
 from kvmesh.log import get_logger
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.serving import DecodeJob
 from kvmesh.serving.audit import AuditCase, CacheAudit
 from kvmesh.serving.engine_loop import RequestSpec
@@ -51,7 +53,6 @@ from kvmesh.serving.ledger import JobLedger, run_once
 from kvmesh.serving.runtime import WorkerRuntime
 from kvmesh.serving.token_stream import TokenStream
 from kvmesh.serving.worker_tiers import namespace_for
-from kvmesh.tiers.miss import Tier
 from nats.aio.msg import Msg
 
 log = get_logger(__name__)
@@ -105,7 +106,7 @@ class DecodeWorker:
             if older is not None:
                 engine.abort(older[1])  # superseded by this attempt
             self._engine_ids[job.request_id] = (job.attempt, engine_id)
-            spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(), salt, generated=job.generated)
+            spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling), salt, generated=job.generated)
             try:
                 out = await asyncio.wait_for(
                     engine.run_request(spec, lambda o: stream.add(o.new_token_ids, o.text_delta)),
@@ -131,7 +132,7 @@ class DecodeWorker:
                  resumed_from=len(job.generated), sources={t.value: n for t, n in sources.items() if n},
                  registered_blocks=produced)
         if self.audit is not None and out.finish_reason in ("stop", "length"):
-            case = AuditCase(job.request_id, job.prompt_ids, job.sampling.to_params(), salt, out.token_ids)
+            case = AuditCase(job.request_id, job.prompt_ids, SamplingParams.of(job.sampling), salt, out.token_ids)
             self.audit.consider(case, max(job.cached_tokens, out.cached_tokens))
 
     async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str, session_id: str | None) -> int:

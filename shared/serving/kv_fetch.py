@@ -27,11 +27,12 @@ from typing import Protocol
 
 from kvmesh.engine.kv_block import KVBlock
 from kvmesh.log import get_logger
+from kvmesh.protocol.blocks import Tier
 from kvmesh.serving.engine_loop import EngineLoop
 from kvmesh.tiers.block_format import StoredBlock
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import Miss, Tier
+from kvmesh.tiers.miss import Miss
 from kvmesh.tiers.resolver import PeerClient
 
 log = get_logger(__name__)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from kvmesh.protocol.blocks import BlockHandle
 from kvmesh.serving.engine_loop import EngineLoop
 from kvmesh.serving.worker_tiers import WorkerTiers
-from kvmesh.tiers.handle import BlockHandle
 
 WINDOW_BLOCKS = 64
 

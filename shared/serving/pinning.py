@@ -7,7 +7,7 @@ deadline) and in this worker's L2, each within its budgets: the engine's
 tenant) and `L2Pins` (pins.l2_fraction / pins.l2_tenant_fraction of L2).
 Past a budget a pin keeps the leading run that fits and the request goes on:
 the ingress already refused, with a 429, what passes the tenant's
-deployment-wide cap (shared/ingress/pin_admission.py); a worker's pool full
+deployment-wide cap (shared/ingress/admission/pins.py); a worker's pool full
 for everyone degrades silently (logged). Pinning an already pinned prefix
 moves its deadline (a hit refreshes the TTL). `cache_created_tokens` is
 what the pins wrote beyond what was already cached: the pinned whole-block

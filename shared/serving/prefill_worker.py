@@ -25,6 +25,7 @@ from kvmesh.bus.consumer import PermanentError
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import WorkerSettings
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampling import SamplingParams
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
@@ -97,7 +98,7 @@ class PrefillWorker:
                                        inflight=self.settings.resolve_inflight)
             if self.ledger.aborted(job.request_id):
                 return
-            spec = RequestSpec(engine_id, job.prompt_ids, job.sampling.to_params(max_tokens=1), salt)
+            spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling, max_tokens=1), salt)
             self._engine_ids[job.request_id] = engine_id
             t1 = time.perf_counter()
             try:

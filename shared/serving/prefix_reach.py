@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from kvmesh.cache_index.client import lookup_prefix
 from kvmesh.cache_index.messages import LookupReply
 from kvmesh.config import WorkerSettings
+from kvmesh.protocol.blocks import Tier
 from kvmesh.serving.engine_loop import EngineLoop
 from kvmesh.serving.kv_fetch import (
     DEFAULT_WINDOW_BLOCKS,
@@ -34,7 +35,6 @@ from kvmesh.serving.kv_fetch import (
     fetch_chain,
 )
 from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
-from kvmesh.tiers.miss import Tier
 from nats.aio.client import Client as NATS
 
 _INDEX_TIMEOUT_S = 0.02  # a lookup answers in about a millisecond; past this, L3 is asked instead

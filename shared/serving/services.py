@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvmesh.bus.consumer import typed
-from kvmesh.eviction.worker_commands import CommandHandler, command_consumer
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.base import ProtocolError
@@ -32,6 +31,7 @@ from kvmesh.serving.pinning import L2Pins
 from kvmesh.serving.prefill_worker import PrefillWorker
 from kvmesh.serving.runtime import WorkerRuntime, job_consumer
 from kvmesh.serving.tier_metrics import CommandsCollector
+from kvmesh.serving.worker_commands import CommandHandler, command_consumer
 
 log = get_logger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.l3_store import L3Stats
-from kvmesh.tiers.miss import Tier
 from kvmesh.tiers.upload_queue import UploadStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily

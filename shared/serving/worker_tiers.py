@@ -22,19 +22,19 @@ from kvmesh.config import Settings
 from kvmesh.engine.kv_block import KVBlock
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.log import get_logger
+from kvmesh.protocol.blocks import BlockHandle, Tier
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.factory import build_host_tier, build_l3_store
-from kvmesh.tiers.handle import BlockHandle
 from kvmesh.tiers.known_chunks import KnownChunks
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.l3_touch import L3Touches
-from kvmesh.tiers.miss import MissCounters, Tier
+from kvmesh.tiers.miss import MissCounters
 from kvmesh.tiers.namespace import namespace_for
-from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
-from kvmesh.tiers.peer_shm import ShmPeerClient
 from kvmesh.tiers.resolver import Resolver
 from kvmesh.tiers.upload_queue import UploadQueue
+from kvmesh.transfer.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.transfer.peer_shm import ShmPeerClient
 from nats.aio.client import Client as NATS
 
 log = get_logger(__name__)

@@ -1,7 +1,7 @@
 """Session identity: which of a tenant's sessions a request belongs to, and the client's hints about it.
 
 A session is named by the client (explicit) or inferred by the ingress from
-the request's block chain (shared/ingress/session_table.py). Explicit
+the request's block chain (shared/ingress/sessions/table.py). Explicit
 sources, first present wins:
 
 1. the `x-session-id` header (both dialects);

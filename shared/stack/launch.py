@@ -20,14 +20,15 @@ from pathlib import Path
 
 from kvmesh.bus.client_auth import ClientAuth
 from kvmesh.config import Settings
-from kvmesh.stack.credentials import S3Credentials
-from kvmesh.stack.errors import ExitCode, StackError
-from kvmesh.stack.nats_access import NatsTls
-from kvmesh.stack.nats_credentials import (
+from kvmesh.credentials.nats import (
     NatsCredentials,
     load_or_create_nats_credentials,
     service_role,
 )
+from kvmesh.credentials.nats_access import NatsTls
+from kvmesh.credentials.s3 import S3Credentials
+from kvmesh.net import claimed, port_in_use, reserve
+from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.procs import start_ticks
 from kvmesh.stack.servers import (
     BinaryMissingError,
@@ -38,7 +39,6 @@ from kvmesh.stack.servers import (
     S3Server,
     ServerError,
     nats_cluster,
-    port_in_use,
 )
 from kvmesh.stack.services import ServiceSpec
 from kvmesh.stack.state import Endpoint, ProcessRecord
@@ -155,7 +155,10 @@ def _reusable_ports(path: Path, host: str) -> dict[str, int]:
         ports = {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
-    return ports if not any(port_in_use(p, host) for p in ports.values()) else {}
+    if any(port_in_use(p, host) or claimed(p) for p in ports.values()):
+        return {}
+    reserve(*ports.values())
+    return ports
 
 
 def _reusable_node_ports(path: Path, host: str, configured: set[int]) -> NatsNodePorts:
@@ -166,6 +169,9 @@ def _reusable_node_ports(path: Path, host: str, configured: set[int]) -> NatsNod
         return NatsNodePorts()
 
     def keep(p: int) -> int:
-        return p if p and p not in configured and not port_in_use(p, host) else 0
+        if not p or p in configured or claimed(p) or port_in_use(p, host):
+            return 0
+        reserve(p)
+        return p
 
     return NatsNodePorts(keep(saved.client), keep(saved.monitor), keep(saved.cluster))

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvmesh.stack.credentials import S3Credentials
+from kvmesh.credentials.s3 import S3Credentials
+from kvmesh.net import port_in_use
 from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.probe import host_port, nats_ready, s3_client, tcp_reachable
-from kvmesh.stack.servers import BinaryMissingError, find_binary, port_in_use
+from kvmesh.stack.servers import BinaryMissingError, find_binary
 
 
 def ensure_writable(state_dir: Path) -> None:

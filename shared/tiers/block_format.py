@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import xxhash
 from kvmesh.engine.kv_block import KVBlock
-from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
+from kvmesh.protocol.blocks import Tier
+from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason
 
 MAGIC = b"KVMB"
 FORMAT_VERSION = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvmesh.cache_policy.registry import get_policy
 from kvmesh.config import Settings
-from kvmesh.stack.credentials import read_credentials
+from kvmesh.credentials.s3 import read_credentials
 from kvmesh.tiers.arena import HeapArena
 from kvmesh.tiers.circuit_breaker import CircuitBreaker
 from kvmesh.tiers.l2_host import HostTier

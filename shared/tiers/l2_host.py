@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvmesh.cache_policy.base import AccessObserver, BlockInfo, EvictionPolicy
 from kvmesh.engine.kv_block import KVBlock
+from kvmesh.protocol.blocks import BlockHandle, Tier
 from kvmesh.tiers.arena import Arena, HeapArena
 from kvmesh.tiers.block_format import (
     BlockHeader,
@@ -28,8 +29,7 @@ from kvmesh.tiers.block_format import (
     encode_kv_block,
     header_for,
 )
-from kvmesh.tiers.handle import BlockHandle
-from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import urllib3
+from kvmesh.protocol.blocks import BlockHandle, Tier
 from kvmesh.tiers.block_format import StoredBlock, checksum_of, decode_or_miss
 from kvmesh.tiers.chunk_format import (
     Entry,
@@ -50,11 +51,10 @@ from kvmesh.tiers.chunk_format import (
     toc_size,
 )
 from kvmesh.tiers.circuit_breaker import CircuitBreaker
-from kvmesh.tiers.handle import BlockHandle
 from kvmesh.tiers.key_locks import KeyLocks
 from kvmesh.tiers.known_chunks import KnownChunks
 from kvmesh.tiers.l3_touch import L3Touches
-from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.miss import BlockMiss, Miss, MissCounters, MissReason
 from minio import Minio
 from minio.commonconfig import REPLACE, CopySource
 from minio.error import MinioException, S3Error

@@ -11,12 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
-
-class Tier(str, Enum):
-    L1 = "L1"  # the worker's device pool (the engine's prefix cache)
-    L2 = "L2"  # host memory of a worker
-    PEER = "PEER"  # another worker's L2, fetched over the network
-    L3 = "L3"  # object storage
+from kvmesh.protocol.blocks import Tier
 
 
 class MissReason(str, Enum):

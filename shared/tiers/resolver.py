@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.engine.kv_block import KVBlock
+from kvmesh.protocol.blocks import BlockHandle, Tier
 from kvmesh.tiers.block_format import StoredBlock
-from kvmesh.tiers.handle import BlockHandle
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
 
 
 class L1Source(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 # The resolver asks the tiers in this order, so the chain's leading run comes from the first ones.
 _ORDER = ((Tier.L1, "l1"), (Tier.L2, "l2"), (Tier.PEER, "peer"), (Tier.L3, "l3"))

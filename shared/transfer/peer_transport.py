@@ -5,8 +5,8 @@ returns one entry per hash, in the order asked: a verified `StoredBlock`, or
 a counted `Miss` saying why not (not there, peer gone, stalled, corrupt).
 It never raises for a peer's failure and never waits without a bound: a
 miss means "recompute or try the next tier". Implementations: NATS
-(`shared/tiers/peer_nats.py`, always available), same-host shared memory in
-front of it (`shared/tiers/peer_shm.py`); see docs/transfer-engines.md for
+(`shared/transfer/peer_nats.py`, always available), same-host shared memory in
+front of it (`shared/transfer/peer_shm.py`); see docs/transfer-engines.md for
 the engines measured and why NATS is the supported network path.
 """
 

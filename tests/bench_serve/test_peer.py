@@ -8,9 +8,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from openai import AsyncOpenAI
-from typer.testing import CliRunner
-
 from kvmesh.bench.peer import PeerConfig, build_workloads, compare, peer_version
 from kvmesh.bench.peer_breakdown import STAGES, breakdown
 from kvmesh.bench.peer_drive import Timing, send, summary
@@ -19,6 +16,8 @@ from kvmesh.bench.serve import KEY, ServeBenchConfig, running_stack
 from kvmesh.cli.main import app
 from kvmesh.engine.presets import write_preset
 from kvmesh.engine.tokenizer import Tokenizer
+from openai import AsyncOpenAI
+from typer.testing import CliRunner
 
 
 def test_without_a_vllm_python_it_says_how_to_make_one_and_exits_2() -> None:

@@ -16,11 +16,11 @@ import asyncio
 import sys
 
 from kvmesh.config import BusSettings, ServiceSettings, Settings
-from kvmesh.eviction.worker_commands import command_consumer
 from kvmesh.protocol.messages import Role
 from kvmesh.protocol.streams import DECODE_ANY, HANDOFF_ANY, PREFILL_ANY
 from kvmesh.service.runner import ServiceContext, ServiceRunner, Setup
 from kvmesh.serving.services import own_job_consumers
+from kvmesh.serving.worker_commands import command_consumer
 from nats.aio.msg import Msg
 
 SHARED = {Role.PREFILL: (PREFILL_ANY,), Role.DECODE: (HANDOFF_ANY, DECODE_ANY)}

@@ -23,13 +23,13 @@ from kvmesh.protocol import subjects
 from kvmesh.protocol.streams import JOBS, declare_all, declare_consumer, worker_consumer
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.miss import Miss, MissCounters
-from kvmesh.tiers.peer_nats import (
+from kvmesh.transfer.nats_wire import NatsWire
+from kvmesh.transfer.peer_nats import (
     NatsPeerClient,
     NatsPeerServer,
     peer_credit_subject,
     peer_fetch_subject,
 )
-from kvmesh.transfer.nats_wire import NatsWire
 from nats.aio.client import Client as NATS
 
 WAIT_S = 10.0

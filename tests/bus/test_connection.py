@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from kvmesh.bus.connection import connect
-from kvmesh.stack.servers import free_port
+from kvmesh.net import free_port
 
 from tests.waits import until
 

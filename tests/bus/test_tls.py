@@ -19,8 +19,8 @@ from cryptography.x509.oid import NameOID
 from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
 from kvmesh.bus.connection import close, connect
 from kvmesh.config import BusSettings
-from kvmesh.stack.nats_access import NatsTls
-from kvmesh.stack.nats_credentials import load_or_create_nats_credentials
+from kvmesh.credentials.nats import load_or_create_nats_credentials
+from kvmesh.credentials.nats_access import NatsTls
 from kvmesh.stack.servers import NatsServer
 
 QUICK = BusSettings(connect_timeout_s=2.0, connect_retry_total_s=3.0, reconnect_wait_max_s=0.2)

@@ -9,7 +9,7 @@ from kvmesh.cache_index.feeds import IndexState
 from kvmesh.cache_index.index import key_of
 from kvmesh.kv_events.event_log import EventLog
 from kvmesh.kv_events.events import BlockMoved, BlockRemoved, BlockStored, WorkerCleared
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 
 def chain(n: int, salt: str = "") -> list[bytes]:

@@ -18,7 +18,7 @@ from kvmesh.cache_index.index import key_of
 from kvmesh.kv_events.event_log import EventLog
 from kvmesh.kv_events.events import BlockStored, KVEventBatch
 from kvmesh.protocol.base import ProtocolError
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 WORKERS = ("w0", "w1", "w2")
 GRACE_S = 3.0

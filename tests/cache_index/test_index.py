@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvmesh.cache_index import snapshot
 from kvmesh.cache_index.feeds import Feed, IndexState
 from kvmesh.cache_index.index import BlockIndex, TierRunResult, key_of
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 
 def keys(n: int, salt: str = "") -> list[int]:

@@ -17,11 +17,11 @@ from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import IndexSettings
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.metrics import ServiceMetrics
+from kvmesh.net import free_port
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Role
 from kvmesh.service.heartbeat import HeartbeatLoop
-from kvmesh.stack.servers import free_port
-from kvmesh.tiers.miss import Tier
 
 from .test_service import chain
 

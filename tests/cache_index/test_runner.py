@@ -19,9 +19,9 @@ from kvmesh.cache_index.service import setup_cache_index
 from kvmesh.config import IndexSettings, ServiceSettings, Settings
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Role
 from kvmesh.service.runner import ServiceRunner
-from kvmesh.tiers.miss import Tier
 
 from .test_service import chain
 

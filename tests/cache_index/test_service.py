@@ -23,9 +23,9 @@ from kvmesh.kv_events.event_log import EventLog
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.metrics import ServiceMetrics
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Role
 from kvmesh.service.heartbeat import HeartbeatLoop
-from kvmesh.tiers.miss import Tier
 
 
 def chain(n: int, salt: str) -> list[bytes]:

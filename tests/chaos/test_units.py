@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 from kvmesh.chaos.proxy import Fault, FaultProxy
-from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
+from kvmesh.protocol.blocks import Tier
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
 from prometheus_client import CollectorRegistry, generate_latest
 
 
@@ -113,9 +114,9 @@ def test_miss_counters_exported_to_prometheus() -> None:
 
 def test_overload_error_carries_retry_after() -> None:
     """Found by the overload scenario: a 503 for too many in flight had no Retry-After."""
-    from kvmesh.ingress.app import gateway_api_error
-    from kvmesh.ingress.errors import Dialect, ErrorKind
-    from kvmesh.ingress.gateway import GatewayError
+    from kvmesh.ingress.core.errors import Dialect, ErrorKind
+    from kvmesh.ingress.core.types import GatewayError
+    from kvmesh.ingress.server.app import gateway_api_error
 
     busy = gateway_api_error(GatewayError(ErrorKind.OVERLOADED, "too many requests in flight (6)"))
     assert busy.status(Dialect.OPENAI) == 503 and busy.headers() == {"retry-after": "1"}

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvmesh.stack.servers import find_binary, free_port, stop_pid, wait_for_port
+from kvmesh.net import free_port
+from kvmesh.stack.servers import find_binary, stop_pid, wait_for_port
 
 from .chart import by_kind, name
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import nats
+from kvmesh.net import free_port
 from kvmesh.protocol.streams import ALL_BUCKETS, ALL_CONSUMERS, ALL_STREAMS
-from kvmesh.stack.servers import find_binary, free_port, stop_pid, wait_for_port
+from kvmesh.stack.servers import find_binary, stop_pid, wait_for_port
 
 from .chart import by_kind, merged, name, render
 from .nats_config import chart_nats_env, check_config, local_copy

@@ -30,8 +30,8 @@ import httpx
 import nats
 import pytest
 import yaml
+from kvmesh.net import free_port
 from kvmesh.protocol import subjects
-from kvmesh.stack.servers import free_port
 
 from .chart import by_kind, merged, name, render
 from .nats_config import chart_nats_env, container_env, local_copy, secret_data, serve

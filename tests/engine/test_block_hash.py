@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from kvmesh.engine.block_hash import HashKeys, hash_block, hash_blocks
+from kvmesh.protocol.block_hash import HashKeys, hash_block, hash_blocks
 
 KEYS = HashKeys(fingerprint="fp", tenant_salt=b"t", adapter="")
 TOKENS = list(range(100, 148))  # three blocks of 16
@@ -49,7 +49,7 @@ def test_encoding_is_unambiguous() -> None:
 
 def test_same_prompt_hashes_identically_in_another_process() -> None:
     code = (
-        "from kvmesh.engine.block_hash import HashKeys, hash_blocks;"
+        "from kvmesh.protocol.block_hash import HashKeys, hash_blocks;"
         "print(','.join(h.hex() for h in hash_blocks(list(range(100, 148)), 16, HashKeys('fp', b't', ''))))"
     )
     outs = {

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.block_pool import BlockPool
+from kvmesh.protocol.block_hash import BlockHash
 
 
 def test_take_and_put_free() -> None:

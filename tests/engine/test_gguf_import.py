@@ -10,17 +10,22 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-from typer.testing import CliRunner
-
 from kvmesh.cli.main import app
 from kvmesh.config import EngineSettings
 from kvmesh.engine.checkpoint_error import CheckpointError
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.gguf_import import IMPORT_FILE, TENSOR_TYPES, hf_name, import_gguf, sha256_file
+from kvmesh.engine.gguf_import import (
+    IMPORT_FILE,
+    TENSOR_TYPES,
+    hf_name,
+    import_gguf,
+    sha256_file,
+)
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
+from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 Q = gguf.GGMLQuantizationType
 TEXTS = ("the agent calls the tool and reads the result.", "<|begin_of_text|>hello world<|eot_id|>", "cache  block\n\ttoken!")

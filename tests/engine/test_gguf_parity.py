@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from kvmesh.config import EngineSettings
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.gguf_import import import_gguf
@@ -25,6 +23,7 @@ from kvmesh.stack.model import bundled_gguf
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.s3_client import fast_fail_client
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 NEW_TOKENS = 16
 SYSTEM = "You are a helpful assistant. Answer briefly."

@@ -8,8 +8,8 @@ from engine.test_prefix_cache import BS, KEYS, make_cache, run_sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvmesh.cache_policy.pin_ledger import Cap
-from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.pins import PinSet
+from kvmesh.protocol.block_hash import hash_blocks
 
 
 def cached_chain(cache, n: int, seed: int) -> list:

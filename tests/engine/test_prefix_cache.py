@@ -7,9 +7,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvmesh.cache_policy.base import BlockInfo, LRUPolicy
-from kvmesh.engine.block_hash import BlockHash, HashKeys, hash_blocks
 from kvmesh.engine.block_pool import Block, BlockPool
 from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.protocol.block_hash import BlockHash, HashKeys, hash_blocks
 
 BS = 4
 KEYS = HashKeys("fp")

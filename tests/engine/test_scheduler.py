@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from kvmesh.config import EngineSettings
-from kvmesh.engine.block_hash import HashKeys
 from kvmesh.engine.block_pool import BlockPool
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
+from kvmesh.protocol.block_hash import HashKeys
 
 BS = 4
 

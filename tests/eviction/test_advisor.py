@@ -11,7 +11,7 @@ from kvmesh.eviction.messages import Demote, WorkerCommand
 from kvmesh.eviction.occupancy import OccupancyView
 from kvmesh.eviction.pins import PinTable
 from kvmesh.kv_events.events import BlockMoved, BlockStored, KVEvent, KVEventBatch
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 from .helpers import chain
 

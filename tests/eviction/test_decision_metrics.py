@@ -9,9 +9,9 @@ from kvmesh.bus.publish import Publisher
 from kvmesh.eviction.messages import Demote, WorkerCommand
 from kvmesh.eviction.service import EvictionService
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import COMMANDS
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
-from kvmesh.tiers.miss import Tier
 from prometheus_client import CollectorRegistry
 
 from .helpers import chain

@@ -14,7 +14,7 @@ from kvmesh.kv_events.events import (
     KVEventBatch,
     WorkerCleared,
 )
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 from .helpers import chain, infos
 

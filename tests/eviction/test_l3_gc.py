@@ -12,8 +12,9 @@ from dataclasses import replace
 from kvmesh.cache_policy.registry import get_policy
 from kvmesh.eviction.l3_gc import GCLimits, apply_gc, chunk_pinned, plan_gc, scan, scrub
 from kvmesh.eviction.pins import PinTable
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.block_format import encode_kv_block
-from kvmesh.tiers.miss import MissReason, Tier
+from kvmesh.tiers.miss import MissReason
 
 from .helpers import kv_chain, l3_store
 

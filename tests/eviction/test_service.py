@@ -26,12 +26,12 @@ from kvmesh.eviction.messages import Demote, PinRequest, Retain, Warm, WorkerCom
 from kvmesh.eviction.service import EvictionService
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.protocol.streams import COMMANDS
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import Tier
 
 from .helpers import chain, kv_chain, l3_store
 

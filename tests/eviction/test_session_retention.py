@@ -13,9 +13,9 @@ from kvmesh.eviction.decisions import Watermarks, plan_demotion
 from kvmesh.eviction.messages import Demote, Retain
 from kvmesh.eviction.occupancy import OccupancyView, WorkerOccupancy
 from kvmesh.eviction.sessions import SessionRetention
+from kvmesh.protocol.blocks import Tier
 from kvmesh.sessions.book import SessionBook
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
-from kvmesh.tiers.miss import Tier
 
 T0 = 1_000_000.0
 L1 = 100

@@ -15,9 +15,9 @@ import asyncio
 from bus.helpers import connected, eventually, unique
 from kvmesh.eviction.messages import Demote
 from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.service.heartbeat import HeartbeatLoop
-from kvmesh.tiers.miss import Tier
 
 from .helpers import chain
 from .test_service import next_command, service, worker_events

@@ -14,11 +14,11 @@ from kvmesh.cache_policy.registry import get_policy
 from kvmesh.config import EngineSettings
 from kvmesh.engine.engine import Engine
 from kvmesh.eviction.messages import Demote, Drop, Retain, Warm, WorkerCommand
-from kvmesh.eviction.worker_commands import CommandHandler
+from kvmesh.protocol.blocks import Tier
 from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.worker_commands import CommandHandler
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.miss import Tier
 
 from .helpers import BS, PARAMS, PROMPT, l3_store
 

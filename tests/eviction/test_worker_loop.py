@@ -12,12 +12,12 @@ from kvmesh.bus.publish import Publisher
 from kvmesh.cache_policy.registry import get_policy
 from kvmesh.config import EngineSettings, IndexSettings
 from kvmesh.engine.engine import Engine
-from kvmesh.eviction.worker_commands import CommandHandler, command_consumer
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.blocks import Tier
 from kvmesh.serving.engine_loop import EngineLoop
+from kvmesh.serving.worker_commands import CommandHandler, command_consumer
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.miss import Tier
 
 from .helpers import BS, PARAMS, PROMPT, chain
 from .test_service import service, worker_events

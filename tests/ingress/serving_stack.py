@@ -20,14 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from kvmesh.net import free_port
 from kvmesh.stack.probe import wait_http_ok
-from kvmesh.stack.servers import (
-    ManagedProcess,
-    NatsServer,
-    S3Server,
-    free_port,
-    spawn_process,
-)
+from kvmesh.stack.servers import ManagedProcess, NatsServer, S3Server, spawn_process
 
 
 async def declare(nats_url: str) -> None:

@@ -6,18 +6,18 @@ from pathlib import Path
 
 import pytest
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.ingress.anthropic_api import stop_reason
-from kvmesh.ingress.anthropic_models import MessagesRequest
-from kvmesh.ingress.cache_control import (
+from kvmesh.ingress.core.errors import ApiError, ErrorKind
+from kvmesh.ingress.core.prompt import PromptBuilder
+from kvmesh.ingress.dialects.anthropic.cache_control import (
     Placed,
     cache_usage,
     check_breakpoints,
     pins,
     place,
 )
-from kvmesh.ingress.errors import ApiError, ErrorKind
-from kvmesh.ingress.named_caches import CreateCacheRequest, parse_ttl
-from kvmesh.ingress.prompt import PromptBuilder
+from kvmesh.ingress.dialects.anthropic.models import MessagesRequest
+from kvmesh.ingress.dialects.anthropic.routes import stop_reason
+from kvmesh.ingress.named_caches.api import CreateCacheRequest, parse_ttl
 
 EPH = {"type": "ephemeral"}
 
@@ -50,7 +50,7 @@ def test_blocks_flatten_in_order() -> None:
 
 
 def test_tool_conversation_renders_as_in_the_openai_dialect(prompts: PromptBuilder) -> None:
-    from kvmesh.ingress.openai_models import ChatCompletionRequest
+    from kvmesh.ingress.dialects.openai.models import ChatCompletionRequest
 
     anth = body(system="sys", tools=[{"name": "ls", "description": "List.", "input_schema": {"type": "object"}}],
                 messages=[{"role": "user", "content": "list"},
@@ -164,7 +164,7 @@ def test_named_cache_ttl_and_body() -> None:
 
 
 def test_common_prefix_bisects() -> None:
-    from kvmesh.ingress.cache_control import _common_prefix
+    from kvmesh.ingress.dialects.anthropic.cache_control import _common_prefix
 
     assert [_common_prefix(a, b) for a, b in (("abc", "abd"), ("", "x"), ("abc", "abc"), ("abc", "abcd"),
                                                ("x", "y"))] == [2, 0, 3, 3, 0]
@@ -186,7 +186,7 @@ def test_breakpoint_inside_a_message_stops_before_the_next_block(prompts: Prompt
 
 
 def test_assistant_prefill_continues_its_text(prompts: PromptBuilder) -> None:
-    from kvmesh.ingress.anthropic_api import render_prompt
+    from kvmesh.ingress.dialects.anthropic.routes import render_prompt
 
     conv, _ = body(messages=[{"role": "user", "content": "Reply in JSON."},
                              {"role": "assistant", "content": '{"answer":'}]).conversation()

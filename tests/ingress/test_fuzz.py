@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvmesh.bench.fuzz_ingress import FuzzConfig, error_problem, fuzz
-from kvmesh.ingress.errors import Dialect, dialect_of
+from kvmesh.ingress.core.errors import Dialect, dialect_of
 from kvmesh.stack.servers import S3Server
 
 from ingress.serving_stack import ServingStack, one_of_each

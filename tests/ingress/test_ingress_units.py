@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 from kvmesh.config import IngressSettings
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.ingress.auth import KeyRing, ensure_dev_key, parse_keys
-from kvmesh.ingress.errors import ApiError, Dialect, ErrorKind
-from kvmesh.ingress.gateway import Gateway, GenerationRequest, Usage
-from kvmesh.ingress.limits import RateLimiter
-from kvmesh.ingress.prompt import PromptBuilder
-from kvmesh.ingress.router import Router, WorkerTable, home
-from kvmesh.ingress.supervisor import RequestRun
+from kvmesh.ingress.admission.auth import KeyRing, ensure_dev_key, parse_keys
+from kvmesh.ingress.admission.limits import RateLimiter
+from kvmesh.ingress.core.errors import ApiError, Dialect, ErrorKind
+from kvmesh.ingress.core.prompt import PromptBuilder
+from kvmesh.ingress.core.types import GenerationRequest, Usage
+from kvmesh.ingress.routing.router import Router, home
+from kvmesh.ingress.routing.workers import WorkerTable
+from kvmesh.ingress.supervision.gateway import Gateway
+from kvmesh.ingress.supervision.request_run import RequestRun
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.protocol.serving import SamplingSpec, TokenEvent
 from kvmesh.service.watch import Change, WorkerChange
@@ -142,7 +144,7 @@ def test_error_bodies_per_dialect() -> None:
 
 
 def test_tool_turns_reach_the_template(tokenizer: Tokenizer) -> None:
-    from kvmesh.ingress.openai_models import ChatCompletionRequest
+    from kvmesh.ingress.dialects.openai.models import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": "list the files"},

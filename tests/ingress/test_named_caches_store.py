@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import nats
-from kvmesh.ingress.named_cache_store import NamedCache, NamedCacheStore
+from kvmesh.ingress.named_caches.store import NamedCache, NamedCacheStore
 from kvmesh.stack.servers import NatsServer
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.ingress.router import home
+from kvmesh.ingress.routing.router import home
 from kvmesh.protocol import subjects
 from kvmesh.stack.servers import NatsServer, S3Server
 from waits import until_sync

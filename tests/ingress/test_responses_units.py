@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvmesh.ingress.errors import ApiError
-from kvmesh.ingress.response_store import ResponseStore, tenant_scope
-from kvmesh.ingress.responses_conversation import stored, to_messages
-from kvmesh.ingress.responses_models import ResponsesRequest, items
-from kvmesh.ingress.responses_output import EventWriter
-from kvmesh.ingress.responses_stream import OutputBuilder
-from kvmesh.ingress.responses_tools import StreamedCalls, WholeCalls
+from kvmesh.ingress.core.errors import ApiError
+from kvmesh.ingress.dialects.responses.conversation import stored, to_messages
+from kvmesh.ingress.dialects.responses.models import ResponsesRequest, items
+from kvmesh.ingress.dialects.responses.output import EventWriter
+from kvmesh.ingress.dialects.responses.store import ResponseStore, tenant_scope
+from kvmesh.ingress.dialects.responses.stream import OutputBuilder
+from kvmesh.ingress.dialects.responses.tools import StreamedCalls, WholeCalls
 from kvmesh.toolcalls.formats import HERMES
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.ingress.salt_secret import (
+from kvmesh.ingress.admission.salt_secret import (
     STATE_FILE,
     SecretError,
     ensure_dev_secret,
     load_secret,
 )
-from kvmesh.stack.servers import NatsServer, S3Server, free_port
+from kvmesh.net import free_port
+from kvmesh.stack.servers import NatsServer, S3Server
 
 from ingress.serving_stack import ServingStack, make_stack, one_of_each
 

@@ -21,14 +21,15 @@ import openai
 import pytest
 from kvmesh.bus.publish import PublishError
 from kvmesh.config import EngineSettings
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
-from kvmesh.ingress.admission import Admitted
-from kvmesh.ingress.auth import Principal
-from kvmesh.ingress.metrics import IngressMetrics
-from kvmesh.ingress.session_table import SessionTable, anchor_of
-from kvmesh.ingress.sessions import ChainHasher, SessionInputs, SessionTracker
+from kvmesh.ingress.admission.admit import Admitted
+from kvmesh.ingress.admission.auth import Principal
+from kvmesh.ingress.core.metrics import IngressMetrics
+from kvmesh.ingress.sessions.table import SessionTable, anchor_of
+from kvmesh.ingress.sessions.tracker import ChainHasher, SessionTracker
+from kvmesh.ingress.sessions.turn import SessionInputs
 from kvmesh.kv_events.events import BlockStored, KVEventBatch
 from kvmesh.protocol import subjects
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
 from kvmesh.sessions.identity import SessionHints, SessionRef, Source, scoped_session_id
 from kvmesh.sessions.outcome import ToolEvidence

@@ -16,9 +16,10 @@ import nats
 import pytest
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import BusSettings, IngressSettings
-from kvmesh.ingress.errors import ErrorKind
-from kvmesh.ingress.gateway import Gateway, GatewayError, GenerationRequest
-from kvmesh.ingress.router import WorkerTable
+from kvmesh.ingress.core.errors import ErrorKind
+from kvmesh.ingress.core.types import GatewayError, GenerationRequest
+from kvmesh.ingress.routing.workers import WorkerTable
+from kvmesh.ingress.supervision.gateway import Gateway
 from kvmesh.protocol import subjects
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.protocol.serving import (

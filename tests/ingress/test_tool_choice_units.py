@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.ingress.errors import ApiError
-from kvmesh.ingress.tool_choice import ToolChoice, json_constraint, request_constraint
+from kvmesh.ingress.core.errors import ApiError
+from kvmesh.ingress.dialects.tool_choice import (
+    ToolChoice,
+    json_constraint,
+    request_constraint,
+)
 from kvmesh.protocol.serving import ToolSchema
 from kvmesh.toolcalls.formats import HERMES
 

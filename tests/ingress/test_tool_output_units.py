@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 
-from kvmesh.ingress.anthropic_output import (
+from kvmesh.ingress.dialects.anthropic.output import (
     BlockEvents,
     content_blocks,
     stop_reason_with_calls,
 )
-from kvmesh.ingress.openai_chat_output import ChatDeltas, chat_message, finish_reason
-from kvmesh.ingress.tool_choice import ToolChoice, ToolParsing, tool_parsing
+from kvmesh.ingress.dialects.openai.output import (
+    ChatDeltas,
+    chat_message,
+    finish_reason,
+)
+from kvmesh.ingress.dialects.tool_choice import ToolChoice, ToolParsing, tool_parsing
 from kvmesh.protocol.serving import ToolSchema
 from kvmesh.toolcalls.formats import HERMES, LLAMA3_JSON
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvmesh.stack.servers import free_port
+from kvmesh.net import free_port
 from openai import OpenAI
 
 KEY = "sk-kvmesh-report-test"

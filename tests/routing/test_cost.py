@@ -5,14 +5,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 from kvmesh.cache_index.messages import LookupReply, TierRun, WorkerMatch
-from kvmesh.ingress.routing_cost import (
+from kvmesh.ingress.routing.cost import (
     FetchCosts,
     Placement,
     Placements,
     placement,
     prefill_cost,
 )
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 BLOCK = 16
 rates = st.floats(min_value=1e-6, max_value=1e-2)

@@ -11,15 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvmesh.cache_index.messages import LookupReply, TierRun, WorkerMatch
 from kvmesh.config import IngressSettings
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.presets import write_preset
-from kvmesh.ingress.prefill_rates import PrefillRates
-from kvmesh.ingress.prefix_locator import model_fingerprint
-from kvmesh.ingress.router import Router, WorkerTable, home
+from kvmesh.ingress.routing.prefix_locator import model_fingerprint
+from kvmesh.ingress.routing.rates import PrefillRates
+from kvmesh.ingress.routing.router import Router, home
+from kvmesh.ingress.routing.workers import WorkerTable
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.messages import Heartbeat, Role
 from kvmesh.service.watch import Change, WorkerChange
-from kvmesh.tiers.miss import Tier
 
 BLOCK = 16
 

@@ -20,10 +20,11 @@ import pytest
 from ingress.serving_stack import ServingStack, make_stack
 from kvmesh.cache_index.client import lookup_prefix
 from kvmesh.config import EngineSettings
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
-from kvmesh.ingress.auth import KeyRing
+from kvmesh.ingress.admission.auth import KeyRing
+from kvmesh.net import free_port
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
 from kvmesh.service.watch import watch_workers
-from kvmesh.stack.servers import NatsServer, S3Server, free_port
+from kvmesh.stack.servers import NatsServer, S3Server
 from waits import until
 
 KEYS = {"sk-route": "route"}

@@ -17,11 +17,11 @@ from bus.helpers import FAST_BUS, connected, eventually, unique
 from kvmesh.bus.publish import Publisher
 from kvmesh.bus.request import request
 from kvmesh.config import ServiceSettings, Settings
+from kvmesh.net import free_port
 from kvmesh.protocol import subjects
 from kvmesh.protocol.messages import Role
 from kvmesh.protocol.streams import JOBS, KV_EVENTS, ConsumerSpec
 from kvmesh.service.runner import ServiceRunner
-from kvmesh.stack.servers import free_port
 from nats.js.errors import KeyNotFoundError
 
 from .sleepy_service import Status, StatusQuery, status_subject

@@ -24,6 +24,7 @@ from kvmesh.engine.engine import Engine
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
 from kvmesh.serving.engine_loop import EngineLoop, RequestSpec
 from kvmesh.serving.kv_fetch import (
     L2Source,
@@ -37,9 +38,9 @@ from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import MissCounters, Tier
-from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.tiers.miss import MissCounters
 from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.transfer.peer_nats import NatsPeerClient, NatsPeerServer
 
 from .harness import BLOCK_SIZE, SALT_A
 

@@ -19,10 +19,10 @@ import httpx
 import pytest
 from bus.helpers import FAST_BUS, connected
 from kvmesh.bus.publish import Publisher
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
 from kvmesh.eviction.messages import Drop, WorkerCommand
 from kvmesh.protocol import subjects
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
+from kvmesh.protocol.blocks import Tier
 from prometheus_client.parser import text_string_to_metric_families
 
 from .harness import (

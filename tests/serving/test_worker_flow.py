@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 from bus.helpers import FAST_BUS, connected
 from kvmesh.bus.publish import Publisher
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
 from kvmesh.kv_events.events import KVEventBatch
 from kvmesh.protocol import subjects
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
+from kvmesh.protocol.blocks import BlockHandle, Tier
 from kvmesh.protocol.serving import (
     AbortRequest,
     CachePin,
@@ -25,8 +26,6 @@ from kvmesh.protocol.serving import (
 )
 from kvmesh.serving.audit_status import read_audit_counts
 from kvmesh.serving.worker_tiers import namespace_for
-from kvmesh.tiers.handle import BlockHandle
-from kvmesh.tiers.miss import Tier
 from waits import taken, until
 
 from .harness import (

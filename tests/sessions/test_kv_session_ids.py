@@ -6,7 +6,7 @@ import pytest
 from kvmesh.kv_events.event_log import EventLog
 from kvmesh.kv_events.events import BlockStored, KVEventBatch
 from kvmesh.protocol.base import SchemaVersionError
-from kvmesh.tiers.miss import Tier
+from kvmesh.protocol.blocks import Tier
 
 
 def _h(i: int) -> bytes:

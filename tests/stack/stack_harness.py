@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.bus.client_auth import connect_kwargs
+from kvmesh.credentials.nats import admin_auth
+from kvmesh.net import free_port, port_in_use
 from kvmesh.stack.errors import ExitCode
-from kvmesh.stack.nats_credentials import admin_auth
 from kvmesh.stack.procs import is_ours
-from kvmesh.stack.servers import free_port, pid_alive, port_in_use
+from kvmesh.stack.servers import pid_alive
 from kvmesh.stack.state import ProcessRecord, StackState, load_state
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")

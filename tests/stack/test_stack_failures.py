@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kvmesh.net import free_port, port_in_use
 from kvmesh.stack.errors import ExitCode
-from kvmesh.stack.servers import free_port, port_in_use
 from stack_harness import KVMESH, StackDir, assert_one_line_failure, pids_for
 
 

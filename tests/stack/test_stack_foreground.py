@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kvmesh.net import port_in_use
 from kvmesh.stack.procs import is_ours
-from kvmesh.stack.servers import port_in_use
 from kvmesh.stack.state import StackState
 from stack_harness import KVMESH, StackDir, pids_for
 

@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import nats
+from kvmesh.credentials.s3 import read_credentials
 from kvmesh.protocol.streams import ALL_STREAMS
-from kvmesh.stack.credentials import read_credentials
 from kvmesh.stack.state import ProcessRecord, StackState, claim_state
 from minio import Minio
 from stack_harness import StackDir, admin_nats, assert_all_gone, pids_for

@@ -15,8 +15,8 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
-from kvmesh.stack.nats_credentials import NATS_CREDENTIALS_FILE
-from kvmesh.stack.servers import free_port
+from kvmesh.credentials.nats import NATS_CREDENTIALS_FILE
+from kvmesh.net import free_port
 from kvmesh.stack.state import StackState
 from openai import OpenAI
 from stack_harness import StackDir, admin_nats

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import nats
 import pytest
+from kvmesh.credentials.s3 import read_credentials
+from kvmesh.net import free_port
 from kvmesh.protocol import subjects
-from kvmesh.stack.credentials import read_credentials
 from kvmesh.stack.procs import is_ours
-from kvmesh.stack.servers import free_port, pid_alive
+from kvmesh.stack.servers import pid_alive
 from kvmesh.stack.state import StackState
 from minio import Minio
 from openai import OpenAI

@@ -9,8 +9,8 @@ import stat
 from pathlib import Path
 
 import pytest
+from kvmesh.credentials.s3 import load_or_create_credentials
 from kvmesh.engine.gguf_import import IMPORT_FILE
-from kvmesh.stack.credentials import load_or_create_credentials
 from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
 from kvmesh.stack.probe import host_port

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmesh.engine.block_hash import HashKeys, hash_blocks
 from kvmesh.kvconvert.errors import IncompatibleKV
 from kvmesh.kvconvert.safetensors_io import export_safetensors, import_safetensors
 from kvmesh.kvconvert.transform import (
@@ -13,6 +12,7 @@ from kvmesh.kvconvert.transform import (
     convert_layout,
     rechunk,
 )
+from kvmesh.protocol.block_hash import HashKeys, hash_blocks
 from kvmesh.tiers.block_format import (
     StoredBlock,
     decode_block,

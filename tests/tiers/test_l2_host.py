@@ -8,9 +8,10 @@ import sys
 
 import torch
 from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.block_format import decode_block, encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.miss import Miss, MissReason, Tier
+from kvmesh.tiers.miss import Miss, MissReason
 from kvmesh.tiers.shm_slab import SlabArena, SlabReader, slab_name
 
 

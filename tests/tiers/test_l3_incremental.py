@@ -21,11 +21,11 @@ from kvmesh.tiers.known_chunks import KnownChunks
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Stats, L3Store
 from kvmesh.tiers.miss import Miss, MissCounters, MissReason
-from kvmesh.tiers.peer_shm import ShmPeerClient
 from kvmesh.tiers.resolver import Resolver
 from kvmesh.tiers.s3_client import fast_fail_client
 from kvmesh.tiers.shm_slab import SlabArena
 from kvmesh.tiers.upload_queue import UploadQueue
+from kvmesh.transfer.peer_shm import ShmPeerClient
 
 SALT = "5a" * 32
 NS = namespace_for(SALT)

@@ -7,9 +7,10 @@ import threading
 import uuid
 
 import torch
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import Miss, MissReason, Tier
+from kvmesh.tiers.miss import MissReason
 from kvmesh.tiers.s3_client import fast_fail_client
 
 

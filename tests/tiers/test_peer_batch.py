@@ -18,11 +18,12 @@ import pytest
 import torch
 from kvmesh.aio import wait_event
 from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
-from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer, peer_fetch_subject
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
 from kvmesh.transfer.credit_window import CreditWindow, TransferCancelled
 from kvmesh.transfer.nats_wire import NatsWire, WireUnsupported
+from kvmesh.transfer.peer_nats import NatsPeerClient, NatsPeerServer, peer_fetch_subject
 from kvmesh.transfer.pieces import (
     BlockAssembly,
     decode_request,

@@ -8,10 +8,11 @@ import nats
 import torch
 from fastapi import FastAPI
 from kvmesh.cache_policy.base import LRUPolicy
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.l2_host import HostTier
-from kvmesh.tiers.miss import Miss, MissCounters, MissReason, Tier
-from kvmesh.tiers.peer_http import HttpPeerClient, peer_router, serve_in_loop
-from kvmesh.tiers.peer_nats import NatsPeerClient, NatsPeerServer
+from kvmesh.tiers.miss import Miss, MissCounters, MissReason
+from kvmesh.transfer.peer_http import HttpPeerClient, peer_router, serve_in_loop
+from kvmesh.transfer.peer_nats import NatsPeerClient, NatsPeerServer
 
 
 def _same(a, b) -> bool:
@@ -72,8 +73,8 @@ async def test_nats_peer_fetch_in_chunks(nats_server, make_chain, fp) -> None:
 
 
 async def test_shm_peer_then_network_fallback(nats_server, make_chain, fp) -> None:
-    from kvmesh.tiers.peer_shm import ShmPeerClient
     from kvmesh.tiers.shm_slab import SlabArena
+    from kvmesh.transfer.peer_shm import ShmPeerClient
 
     owner = f"owner-{os.getpid()}"  # slab names are machine-wide
     shm_tier = HostTier(1 << 30, LRUPolicy(), fp, worker_id=owner, arena=SlabArena(owner, 1 << 30))

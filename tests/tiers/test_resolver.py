@@ -10,13 +10,14 @@ from kvmesh.cache_policy.base import LRUPolicy
 from kvmesh.config import EngineSettings
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.block_format import encode_kv_block
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
-from kvmesh.tiers.miss import MissCounters, MissReason, Tier
-from kvmesh.tiers.peer_http import HttpPeerClient, peer_router, serve_in_loop
+from kvmesh.tiers.miss import MissCounters, MissReason
 from kvmesh.tiers.resolver import EngineL1, Resolver
 from kvmesh.tiers.s3_client import fast_fail_client
+from kvmesh.transfer.peer_http import HttpPeerClient, peer_router, serve_in_loop
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
 

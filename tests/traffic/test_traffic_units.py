@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvmesh.eviction.access_window import KEY_BYTES, AccessWindow, as_trace
 from kvmesh.eviction.live_belady import compute
-from kvmesh.ingress.traffic_hook import cache_writes
+from kvmesh.ingress.sessions.traffic import cache_writes
 from kvmesh.protocol.base import ProtocolError
+from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.serving import CachePin
 from kvmesh.protocol.traffic import TrafficRecord, hash_id, session_tag, tenant_tag
 from kvmesh.sim.run import run_one
 from kvmesh.sim.trace import block_key, load_trace, parse_line
-from kvmesh.tiers.miss import Tier
 from kvmesh.traffic.tiers import tier_tokens
 from kvmesh.traffic.trace_lines import to_trace_line, trace_lines, write_trace
 

@@ -1,0 +1,1 @@
+"""The OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models."""

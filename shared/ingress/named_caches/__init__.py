@@ -1,0 +1,1 @@
+"""Named caches: a stored prefix (messages, tools) a request names by `cache_id`."""

@@ -1,0 +1,73 @@
+"""A request's turn of its session: what the request names (`inputs`) and the turn `begin` opens.
+
+`TurnRequest` is what the tracker reads of an admitted request (shared/ingress/admission/admit.py's
+`Admitted` is one), so sessions depend on no route or state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvmesh.ingress.admission.auth import Principal
+from kvmesh.ingress.core.errors import Dialect, invalid
+from kvmesh.sessions.identity import (
+    SessionHints,
+    SessionInputError,
+    SessionRef,
+    Source,
+    explicit_anthropic,
+    explicit_openai,
+    hints,
+)
+from kvmesh.sessions.outcome import ToolEvidence
+
+
+class TurnRequest(Protocol):
+    """An admitted request, as far as sessions read it."""
+
+    principal: Principal
+    body: dict[str, Any]
+    request_id: str
+    headers: Mapping[str, str]
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInputs:
+    explicit: tuple[Source, str] | None
+    hints: SessionHints
+
+
+def inputs(adm: TurnRequest, dialect: Dialect) -> SessionInputs:
+    """The session id the request names and its hints; a malformed one is a 400 (nothing published)."""
+    find = explicit_anthropic if dialect is Dialect.ANTHROPIC else explicit_openai
+    try:
+        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body))
+    except SessionInputError as exc:
+        raise invalid(exc.message, param=exc.param) from None
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request's turn of its session, from `begin` to `finish`."""
+
+    ref: SessionRef
+    hints: SessionHints
+    evidence: ToolEvidence
+    request_id: str
+    tenant_salt: str
+    started_at: float
+    prompt_ids: list[int]
+    prompt_hashes: list[bytes]
+    path: str = ""  # the route (the traffic record's api)
+    started_mono: float = 0.0  # time.monotonic() at begin: the traffic record's TTFT counts from it
+
+    @property
+    def session_id(self) -> str:
+        return self.ref.session_id
+
+    def header(self) -> dict[str, str]:
+        """The response header naming the session (an inferred one's id is how a client can end it)."""
+        return {"x-session-id": self.ref.client_id}

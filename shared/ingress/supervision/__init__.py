@@ -1,0 +1,1 @@
+"""A request's run on the bus: the gateway, and the run that publishes, watches, retries and delivers in order."""
