@@ -35,6 +35,9 @@ class BoundedLRU(Generic[K, V]):
         """Keys, least recently used first."""
         return iter(self._items)
 
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
     def get(self, key: K, default: V | None = None) -> V | None:
         return self._items.get(key, default)
 

@@ -29,16 +29,11 @@ import nats.errors
 from kvmesh.bus.client_auth import ClientAuth, connect_kwargs
 from kvmesh.config import BusSettings
 from kvmesh.log import get_logger
+from kvmesh.retry import Backoff
 from nats.aio.client import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR, Server
 from nats.aio.client import Client as NATS
 
 log = get_logger(__name__)
-
-
-def reconnect_delay(attempts: int, settings: BusSettings, rng: random.Random) -> float:
-    """Seconds to wait before reconnect attempt number `attempts` (0-based): doubling, capped, jittered."""
-    base = min(settings.reconnect_wait_max_s, settings.reconnect_wait_min_s * (2 ** min(attempts, 16)))
-    return base * (0.5 + rng.random() / 2)
 
 
 class _Client(NATS):
@@ -62,10 +57,15 @@ class _Hooks:
     nc: NATS
     rng: random.Random = field(default_factory=random.Random)  # jitter only; nothing is derived from it
     last_error: Exception | None = None  # said when the first connect gives up (e.g. an authorization violation)
+    backoff: Backoff = field(init=False)  # the wait before a server's next reconnect, by its reconnects so far
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.backoff = Backoff(s.reconnect_wait_min_s, s.reconnect_wait_max_s, jitter=0.5, rng=self.rng)
 
     def pick_server(self, pool: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
         server = min(pool, key=lambda s: s.reconnects)
-        return server, reconnect_delay(server.reconnects, self.settings, self.rng)
+        return server, self.backoff.delay(server.reconnects)
 
     def server(self) -> str:
         """host:port only: the URL itself carries the password."""

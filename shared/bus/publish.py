@@ -21,6 +21,7 @@ from kvmesh.log import get_logger, propagation_headers
 from kvmesh.metrics import ServiceMetrics
 from kvmesh.protocol import subjects
 from kvmesh.protocol.base import Message
+from kvmesh.retry import Backoff
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
@@ -81,7 +82,7 @@ class Publisher:
         hdrs = {**propagation_headers(), **(headers or {}), subjects.HDR_MSG_ID: msg_id}
         s = self.settings
         deadline = time.monotonic() + s.publish_retry_total_s
-        delay = s.publish_retry_min_s
+        backoff = Backoff(s.publish_retry_min_s, s.publish_retry_max_s)
         attempt = 0
         while True:
             attempt += 1
@@ -102,8 +103,7 @@ class Publisher:
                 if self.metrics is not None:
                     self.metrics.publish_retries.labels(subjects.family(subject)).inc()
                 log.info("publish retry", subject=subject, msg_id=msg_id, attempt=attempt, error=repr(exc))
-                await asyncio.sleep(min(delay, remaining))
-                delay = min(delay * 2, s.publish_retry_max_s)
+                await asyncio.sleep(min(backoff.next(), remaining))
 
     @property
     def nc(self) -> NATS:

@@ -9,7 +9,7 @@ entry is forgotten first, so memory stays bounded and old popularity fades.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from kvmesh.lru import BoundedLRU
 
 DEFAULT_HISTORY_ENTRIES = 1 << 16  # ~ a few MiB: keys plus small ints
 
@@ -21,19 +21,17 @@ class AccessHistory:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._counts: OrderedDict[bytes, int] = OrderedDict()
+        self._counts: BoundedLRU[bytes, int] = BoundedLRU(max_entries)
 
     def __len__(self) -> int:
         return len(self._counts)
 
     def record(self, block_hash: bytes) -> int:
         """Count one request of ``block_hash``; returns its count including this one."""
-        count = self._counts.pop(block_hash, 0) + 1
-        self._counts[block_hash] = count
-        if len(self._counts) > self.max_entries:
-            self._counts.popitem(last=False)
+        count = (self._counts.get(block_hash) or 0) + 1
+        self._counts.put(block_hash, count)
         return count
 
     def count(self, block_hash: bytes) -> int:
         """Remembered requests of ``block_hash`` (0 if never seen or forgotten)."""
-        return self._counts.get(block_hash, 0)
+        return self._counts.get(block_hash) or 0

@@ -10,12 +10,12 @@ it may take next (masks.py) and whether its grammar is complete.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.config import ConstraintSettings
 from kvmesh.constrain.grammar import ConstraintError, grammar_source
+from kvmesh.lru import BoundedLRU
 from kvmesh.protocol.serving import Constraint
 
 
@@ -60,18 +60,11 @@ class GrammarCompiler:
         self.eos_ids = tuple(eos_ids)
         self.bounds = bounds
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: BoundedLRU[str, Any] = BoundedLRU(bounds.grammar_cache_size)
 
     def matcher(self, constraint_json: str) -> Matcher:
         """A matcher at the start of the constraint's grammar; ConstraintError if it cannot be compiled."""
-        template = self._cache.get(constraint_json)
-        if template is None:
-            template = self._compile(constraint_json)
-            self._cache[constraint_json] = template
-            while len(self._cache) > self.bounds.grammar_cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(constraint_json)
+        template = self._cache.entry(constraint_json, lambda: self._compile(constraint_json))
         return Matcher(template.deep_copy())
 
     def __len__(self) -> int:

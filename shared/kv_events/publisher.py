@@ -30,10 +30,13 @@ from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.block_hash import BlockHash
 from kvmesh.protocol.blocks import Tier
+from kvmesh.retry import Backoff
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 log = get_logger(__name__)
+
+_MAX_RETRY_WAIT_S = 2.0  # a failed batch is retried at most this far apart (the events wait in the log)
 
 
 class KVEventPublisher:
@@ -120,7 +123,7 @@ class KVEventPublisher:
             loop.call_soon_threadsafe(self._wake.set)
 
     async def _flush_loop(self) -> None:
-        delay = self.settings.flush_interval_s
+        backoff = Backoff(self.settings.flush_interval_s, max(self.settings.flush_interval_s, _MAX_RETRY_WAIT_S))
         while True:
             self._wake.clear()  # before taking: a change recorded after this sets it again
             batch = self.log.take_batch()
@@ -136,9 +139,8 @@ class KVEventPublisher:
                 log.warning("kv events publish failed", worker_id=self.worker_id, error=repr(exc))
                 if self._stopping:
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next())
                 continue
-            delay = self.settings.flush_interval_s
+            backoff.reset()
             self.published_batches += 1
             self.log.published(batch.last_seq)

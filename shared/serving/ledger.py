@@ -12,9 +12,10 @@ attempt-scoped abort fences the attempts it names (`fence`, `stale`).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+
+from kvmesh.lru import BoundedLRU
 
 
 class Claim(Enum):
@@ -33,14 +34,15 @@ class _Run:
 class JobLedger:
     remember: int = 4096
     _running: dict[str, _Run] = field(default_factory=dict)
-    _finished: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> highest attempt done
-    _aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)  # the client went away: run nothing more
+    _finished: BoundedLRU[str, int] = field(init=False)  # request id -> highest attempt done
+    _aborted: BoundedLRU[str, None] = field(init=False)  # the client went away: run nothing more
+
+    def __post_init__(self) -> None:
+        self._finished, self._aborted = BoundedLRU(self.remember), BoundedLRU(self.remember)
 
     def abort(self, request_id: str) -> None:
         """Remember that the request was aborted: its runs stop and later deliveries are acked unrun."""
-        self._aborted[request_id] = None
-        while len(self._aborted) > self.remember:
-            self._aborted.popitem(last=False)
+        self._aborted.put(request_id, None)
 
     def aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
@@ -86,10 +88,7 @@ class JobLedger:
             self._done(request_id, attempt)
 
     def _done(self, request_id: str, attempt: int) -> None:
-        self._finished[request_id] = max(attempt, self._finished.get(request_id, -1))
-        self._finished.move_to_end(request_id)
-        while len(self._finished) > self.remember:
-            self._finished.popitem(last=False)
+        self._finished.put(request_id, max(attempt, self._finished.get(request_id, -1)))
 
     @property
     def running(self) -> int:

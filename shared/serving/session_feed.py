@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import suppress
 
 from kvmesh.cache_policy.session import SessionAware
 from kvmesh.log import get_logger
+from kvmesh.lru import BoundedLRU
 from kvmesh.protocol import subjects
 from kvmesh.protocol.base import ProtocolError
 from kvmesh.protocol.streams import SESSIONS
@@ -58,7 +58,7 @@ class SessionFeed:
         self.engine, self.policy, self.tick_s = engine, policy, tick_s
         self.events = 0  # session events applied (for tests and logs)
         self.started = 0  # of which turn starts
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended: BoundedLRU[str, None] = BoundedLRU(_ENDED_REMEMBERED)
         self._sub = None
         self._ticker: asyncio.Task[None] | None = None
 
@@ -104,9 +104,7 @@ class SessionFeed:
             self.events += 1
             return
         if ev.request_id:
-            self._ended[ev.request_id] = None
-            while len(self._ended) > _ENDED_REMEMBERED:
-                self._ended.popitem(last=False)
+            self._ended.put(ev.request_id, None)
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
 
         def end(e) -> None:

@@ -38,8 +38,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.lru import BoundedLRU
 from kvmesh.sessions.events import TurnOutcome
-from kvmesh.sessions.lru import lru_entry
 from kvmesh.sessions.predict import Outlook, ReturnPredictor
 
 _NOBODY = ""  # the owner of a block its session no longer sends
@@ -74,7 +74,7 @@ class SessionBook:
         self.predictor = predictor if predictor is not None else ReturnPredictor()
         self.config = config or BookConfig()
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._sessions: BoundedLRU[str, _Session] = BoundedLRU(self.config.max_sessions)
         self._checkpoints: list[tuple[float, int, str, int]] = []
         self._changed: set[bytes] = set()
         self._seq = 0
@@ -196,7 +196,7 @@ class SessionBook:
     # -- internals ------------------------------------------------------------
 
     def _session(self, session_id: str) -> _Session:
-        return lru_entry(self._sessions, session_id, _Session, self.config.max_sessions)
+        return self._sessions.entry(session_id, _Session)
 
     def _drop_unsent(self, s: _Session, hashes: Sequence[bytes]) -> None:
         """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead."""

@@ -11,9 +11,10 @@ new session, which costs a prediction, never correctness.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvmesh.lru import BoundedLRU
 
 DEFAULT_MAX_ENDS = 1 << 17
 
@@ -24,8 +25,11 @@ class SessionInference:
 
     max_ends: int = DEFAULT_MAX_ENDS
     prefix: str = "inferred-"
-    _ends: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
+    _ends: BoundedLRU[bytes, str] = field(init=False)
     _next: int = 0
+
+    def __post_init__(self) -> None:
+        self._ends = BoundedLRU(self.max_ends)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -51,7 +55,4 @@ class SessionInference:
 
     def record(self, chain_end: bytes, session: str) -> None:
         """Remember that ``session``'s latest chain ends at ``chain_end`` (also for explicit ids)."""
-        self._ends.pop(chain_end, None)
-        self._ends[chain_end] = session
-        if len(self._ends) > self.max_ends:
-            self._ends.popitem(last=False)
+        self._ends.put(chain_end, session)

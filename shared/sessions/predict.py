@@ -41,12 +41,11 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from kvmesh.lru import BoundedLRU
 from kvmesh.sessions.events import TurnOutcome
-from kvmesh.sessions.lru import lru_entry
 from kvmesh.sessions.quantiles import RecentQuantiles
 
 # Before any gap is observed: a tool runs for seconds, a person replies in minutes; spread as a
@@ -145,12 +144,16 @@ class _Session:
 @dataclass(slots=True)
 class ReturnPredictor:
     config: PredictorConfig = field(default_factory=PredictorConfig)
-    _sessions: OrderedDict[str, _Session] = field(default_factory=OrderedDict)
-    _classes: OrderedDict[str, RecentQuantiles] = field(default_factory=OrderedDict)
+    _sessions: BoundedLRU[str, _Session] = field(init=False)
+    _classes: BoundedLRU[str, RecentQuantiles] = field(init=False)
     _fallbacks: dict[TurnOutcome, RecentQuantiles] = field(default_factory=dict)
     _returned: dict[str, list[int]] = field(default_factory=dict)  # p-class -> [returned, matured]
     _maturing: list[tuple[float, int, str, int, str]] = field(default_factory=list)
     _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self._sessions = BoundedLRU(self.config.max_sessions)
+        self._classes = BoundedLRU(self.config.max_classes)
 
     # -- the interface ------------------------------------------------------
 
@@ -238,10 +241,10 @@ class ReturnPredictor:
     # -- internals ------------------------------------------------------------
 
     def _session(self, session_id: str) -> _Session:
-        return lru_entry(self._sessions, session_id, _Session, self.config.max_sessions)
+        return self._sessions.entry(session_id, _Session)
 
     def _class(self, name: str) -> RecentQuantiles:
-        return lru_entry(self._classes, name, lambda: RecentQuantiles(self.config.window), self.config.max_classes)
+        return self._classes.entry(name, lambda: RecentQuantiles(self.config.window))
 
     def _window(self, gap_class: str, outcome: TurnOutcome) -> tuple[float, ...]:
         """The ascending gaps after turns of ``gap_class``: its own, else its outcome's, else the prior."""

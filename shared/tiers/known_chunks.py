@@ -10,7 +10,7 @@ deleted behind this worker's back is rewritten at the latest that long after
 (a reader meanwhile recomputes it; never a wrong answer, since reads verify).
 
 Bound: `capacity` entries, least recently used first out; ~230 bytes each
-(the entry of an OrderedDict, a 32-byte hash + namespace key, a float), so
+(an LRU entry, a 32-byte hash + namespace key, a float), so
 the default 65,536 keys (`TierSettings.l3_known_chunks`) hold ~15 MiB and
 cover 16M tokens at 256-token chunks. Thread-safe: uploads run in threads.
 """
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
+
+from kvmesh.lru import BoundedLRU
 
 
 class KnownChunks:
@@ -28,7 +29,7 @@ class KnownChunks:
         self.capacity = capacity
         self.max_age_s = max_age_s
         self.clock = clock
-        self._until: OrderedDict[bytes, float] = OrderedDict()  # id -> monotonic time it stops being trusted
+        self._until: BoundedLRU[bytes, float] = BoundedLRU(max(capacity, 1))  # id -> when it stops being trusted
         self._lock = threading.Lock()
 
     @staticmethod
@@ -41,13 +42,12 @@ class KnownChunks:
 
     def __contains__(self, chunk_id: bytes) -> bool:
         with self._lock:
-            until = self._until.get(chunk_id)
+            until = self._until.use(chunk_id)
             if until is None:
                 return False
             if until <= self.clock():
-                del self._until[chunk_id]
+                self._until.pop(chunk_id)
                 return False
-            self._until.move_to_end(chunk_id)
             return True
 
     def add(self, chunk_id: bytes, max_age_s: float | None = None) -> None:
@@ -56,10 +56,7 @@ class KnownChunks:
         if self.capacity <= 0 or age <= 0:
             return
         with self._lock:
-            self._until[chunk_id] = self.clock() + age
-            self._until.move_to_end(chunk_id)
-            while len(self._until) > self.capacity:
-                self._until.popitem(last=False)
+            self._until.put(chunk_id, self.clock() + age)
 
     def discard(self, chunk_id: bytes) -> None:
         with self._lock:

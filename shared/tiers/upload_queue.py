@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.aio import wait_event
+from kvmesh.retry import Backoff
 from kvmesh.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
 
 _CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
@@ -293,15 +294,14 @@ class UploadQueue:
         if any(b is None for b in blocks):
             self.stats.chunks_lost += 1
             return
-        backoff = self.backoff_initial_s
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         while True:
             try:
                 result = await asyncio.to_thread(self.store.write_chunk, chunk.namespace, blocks, chunk.hashes)
                 break
             except L3Unavailable:
                 self.stats.retries += 1
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                await asyncio.sleep(backoff.next())
             except Exception:  # noqa: BLE001 - one bad chunk must not stop the uploader
                 self.stats.chunks_failed += 1
                 return

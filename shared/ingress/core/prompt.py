@@ -12,11 +12,11 @@ so one conversation prefix always yields one id sequence.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.lru import BoundedLRU
 
 
 @dataclass(slots=True)
@@ -24,7 +24,10 @@ class AssistantMemory:
     """Bounded LRU: (tenant, sha256 of an answer's text) -> the ids that produced it."""
 
     capacity: int
-    _entries: OrderedDict[tuple[str, bytes], tuple[int, ...]] = field(default_factory=OrderedDict)
+    _entries: BoundedLRU[tuple[str, bytes], tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._entries = BoundedLRU(self.capacity)
 
     @staticmethod
     def _key(tenant: str, text: str) -> tuple[str, bytes]:
@@ -33,18 +36,10 @@ class AssistantMemory:
     def remember(self, tenant: str, text: str, ids: Sequence[int]) -> None:
         if not text or not ids:
             return
-        key = self._key(tenant, text)
-        self._entries[key] = tuple(ids)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._entries.put(self._key(tenant, text), tuple(ids))
 
     def recall(self, tenant: str, text: str) -> tuple[int, ...] | None:
-        key = self._key(tenant, text)
-        ids = self._entries.get(key)
-        if ids is not None:
-            self._entries.move_to_end(key)
-        return ids
+        return self._entries.use(self._key(tenant, text))
 
 
 _STOP_TAIL = 16  # tokens a stop string may have added past the returned text

@@ -22,10 +22,10 @@ ingress replica does not see these anchors (an explicit id works everywhere).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.lru import BoundedLRU
 from kvmesh.sessions.events import TurnOutcome
 from kvmesh.sessions.identity import SessionRef
 from kvmesh.sessions.outcome import Chain
@@ -53,7 +53,7 @@ def anchor_of(ids: Sequence[int], hashes: Sequence[bytes], block_size: int) -> A
 
 @dataclass(slots=True)
 class _Tenant:
-    records: OrderedDict[str, SessionRecord] = field(default_factory=OrderedDict)  # client id -> record
+    records: BoundedLRU[str, SessionRecord]  # client id -> record
     anchors: dict[bytes, dict[tuple[int, ...], str]] = field(default_factory=dict)  # block -> tail -> client id
 
 
@@ -84,22 +84,20 @@ class SessionTable:
             start = depth * b
             for tail, client_id in sorted(tails.items(), key=lambda kv: -len(kv[0])):
                 if tuple(prompt_ids[start:start + len(tail)]) == tail and client_id in t.records:
-                    return t.records[client_id]
+                    return t.records.get(client_id)
         return None
 
     def record(self, ref: SessionRef) -> SessionRecord:
         """The record of `ref`'s session (created if new), now the most recently active."""
-        t = self._tenants.setdefault(ref.tenant, _Tenant())
-        rec = t.records.pop(ref.client_id, None) or SessionRecord(ref)
-        t.records[ref.client_id] = rec
-        while len(t.records) > self.capacity:
-            _, old = t.records.popitem(last=False)
+        t = self._tenant(ref.tenant)
+        rec = t.records.get(ref.client_id) or SessionRecord(ref)
+        for _, old in t.records.put(ref.client_id, rec):
             self._drop_anchors(t, old)
         return rec
 
     def turn_ended(self, rec: SessionRecord, anchors: Sequence[AnchorKey]) -> None:
         """`rec`'s last turn is now the one whose anchors are given (the previous turn's are dropped)."""
-        t = self._tenants.setdefault(rec.ref.tenant, _Tenant())
+        t = self._tenant(rec.ref.tenant)
         self._drop_anchors(t, rec)
         for block, tail in anchors:
             tails = t.anchors.setdefault(block, {})
@@ -116,6 +114,12 @@ class SessionTable:
             self._drop_anchors(t, rec)
             rec.ended = True
         return rec
+
+    def _tenant(self, tenant: str) -> _Tenant:
+        t = self._tenants.get(tenant)
+        if t is None:
+            t = self._tenants[tenant] = _Tenant(BoundedLRU(self.capacity))
+        return t
 
     @staticmethod
     def _drop_anchors(t: _Tenant, rec: SessionRecord) -> None:
