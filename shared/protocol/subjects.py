@@ -147,12 +147,6 @@ def heartbeat_key(worker_id: str) -> str:
 # Named caches (POST /v1/caches): metadata in a JetStream KV bucket, key = cache id, TTL per entry.
 NAMED_CACHES_BUCKET = "named_caches"
 
-
-def named_cache_key(cache_id: str) -> str:
-    """The raw subject of a named cache's entry (for a publish with a TTL)."""
-    return f"$KV.{NAMED_CACHES_BUCKET}.{token(cache_id)}"
-
-
 # Stored responses (POST /v1/responses, `store`): KV bucket `responses`, key = <tenant scope>.<response id>.
 RESPONSES_BUCKET = "responses"
 
@@ -160,6 +154,7 @@ RESPONSES_BUCKET = "responses"
 def response_key(tenant_scope: str, response_id: str) -> str:
     """The key of a stored response in the `responses` bucket (two tokens: a tenant's keys share a prefix)."""
     return f"{token(tenant_scope)}.{token(response_id)}"
+
 
 # Headers kvmesh sets (NATS ones are spelled by nats-py's api.Header).
 HDR_MSG_ID = "Nats-Msg-Id"

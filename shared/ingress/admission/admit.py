@@ -64,9 +64,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-async def admit(request: Request) -> Admitted:
+def authenticated(request: Request) -> tuple[IngressState, Principal]:
+    """The process's state and the request's key holder (401 without a valid key)."""
     state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    return state, state.keyring.authenticate(request)
+
+
+async def admit(request: Request) -> Admitted:
+    state, principal = authenticated(request)
     state.limiter.check(principal.key_id)
     body = await read_json(request, state.settings.max_body_bytes)
     header = request.headers.get(HDR_SESSION)
@@ -90,6 +95,14 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise invalid(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+
+
+async def admit_as(request: Request, model: type[M]) -> tuple[Admitted, M]:
+    """`admit`, then the body validated as `model`, naming the model this server serves."""
+    adm = await admit(request)
+    body = parse(model, adm.body)
+    check_model(adm.state, body.model)  # type: ignore[attr-defined]
+    return adm, body
 
 
 def check_model(state: IngressState, model: str) -> None:

@@ -27,11 +27,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from kvmesh.engine.chat_template import ChatTemplateError
-from kvmesh.ingress.admission.admit import Admitted, admit, budget, check_model, parse
+from kvmesh.ingress.admission.admit import (
+    admit_as,
+    authenticated,
+    budget,
+)
 from kvmesh.ingress.admission.auth import Principal
 from kvmesh.ingress.admission.pins import admit_pins, prompt_hashes, release_pins
 from kvmesh.ingress.core.errors import ApiError, ErrorKind, invalid
-from kvmesh.ingress.core.state import CachedContext, IngressState, state_of
+from kvmesh.ingress.core.state import CachedContext, IngressState
 from kvmesh.ingress.dialects.anthropic.models import (
     InputMessage,
     TextBlock,
@@ -121,9 +125,7 @@ def _not_found(cache_id: str) -> ApiError:
 
 @router.post("/v1/caches")
 async def create_cache(request: Request) -> Any:
-    adm: Admitted = await admit(request)
-    body = parse(CreateCacheRequest, adm.body)
-    check_model(adm.state, body.model)
+    adm, body = await admit_as(request, CreateCacheRequest)
     ttl = body.ttl_s()
     try:
         tools = [_tool(t) for t in body.tools or []]
@@ -165,16 +167,14 @@ def _prefix_ids(state: IngressState, tenant: str, messages: list[dict[str, Any]]
 
 @router.get("/v1/caches")
 async def list_caches(request: Request) -> Any:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     caches = await store_of(state).list(principal.tenant)
     return {"object": "list", "data": [c.public() for c in caches]}
 
 
 @router.get("/v1/caches/{cache_id}")
 async def get_cache(request: Request, cache_id: str) -> Any:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     cache = await store_of(state).get(principal.tenant, cache_id)
     if cache is None:
         raise _not_found(cache_id)
@@ -183,8 +183,7 @@ async def get_cache(request: Request, cache_id: str) -> Any:
 
 @router.delete("/v1/caches/{cache_id}")
 async def delete_cache(request: Request, cache_id: str) -> Any:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     store = store_of(state)
     cache = await store.get(principal.tenant, cache_id)
     if cache is None or not await store.delete(principal.tenant, cache_id):

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from kvmesh.bus.publish import PublishError
+from kvmesh.ingress.admission.admit import authenticated
 from kvmesh.ingress.core.errors import ApiError, ErrorKind, invalid
-from kvmesh.ingress.core.state import state_of
 from kvmesh.log import bind_request
 from kvmesh.sessions.identity import SessionInputError, check_id, scoped_session_id
 
@@ -27,8 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/sessions/{session_id}/end")
 async def end_session(session_id: str, request: Request) -> dict[str, Any]:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     state.limiter.check(principal.key_id)
     try:
         client_id = check_id(session_id, "session_id")

@@ -18,7 +18,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from kvmesh.engine.chat_template import ChatTemplateError
-from kvmesh.ingress.admission.admit import Admitted, admit, budget, check_model, parse
+from kvmesh.ingress.admission.admit import (
+    Admitted,
+    admit_as,
+    budget,
+)
 from kvmesh.ingress.admission.pins import admit_pins, prompt_hashes
 from kvmesh.ingress.core.errors import ApiError, Dialect, ErrorKind, invalid
 from kvmesh.ingress.core.prompt import PromptBuilder
@@ -144,18 +148,14 @@ def _cache_usage(usage: Usage, placed: list[Placed]) -> CacheUsage:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Any:
     """The prompt's token count as /v1/messages would build it (nothing runs)."""
-    adm = await admit(request)
-    body = parse(CountTokensRequest, adm.body)
-    check_model(adm.state, body.model)
+    adm, body = await admit_as(request, CountTokensRequest)
     ids, _, _ = _prompt(adm, body, await named_prefix(adm, body.cache_id))
     return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Any:
-    adm = await admit(request)
-    body = parse(MessagesRequest, adm.body)
-    check_model(adm.state, body.model)
+    adm, body = await admit_as(request, MessagesRequest)
     given = inputs(adm, Dialect.ANTHROPIC)
     req, placed, turn, parsing = _build(adm, body, await named_prefix(adm, body.cache_id), given)
     if req.pins:  # breakpoints: the tenant's pin budget is checked before the job is queued (429 past it)

@@ -17,10 +17,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from kvmesh.engine.chat_template import ChatTemplateError
-from kvmesh.ingress.admission.admit import Admitted, admit, budget, check_model, parse
+from kvmesh.ingress.admission.admit import (
+    Admitted,
+    admit_as,
+    authenticated,
+    budget,
+)
 from kvmesh.ingress.core.errors import ApiError, Dialect, ErrorKind, invalid
 from kvmesh.ingress.core.sse import sse
-from kvmesh.ingress.core.state import state_of
 from kvmesh.ingress.core.types import (
     GenerationRequest,
     Usage,
@@ -63,16 +67,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    state = state_of(request)
-    state.keyring.authenticate(request)
+    state, _ = authenticated(request)
     return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "kvmesh"}]}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
-    adm = await admit(request)
-    body = parse(ChatCompletionRequest, adm.body)
-    check_model(adm.state, body.model)
+    adm, body = await admit_as(request, ChatCompletionRequest)
     given = inputs(adm, Dialect.OPENAI)
     messages = [m.flat() for m in body.messages]
     tools = body.tools
@@ -110,9 +111,7 @@ def _tools(adm: Admitted, body: ChatCompletionRequest, tools: list[dict[str, Any
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
-    adm = await admit(request)
-    body = parse(CompletionRequest, adm.body)
-    check_model(adm.state, body.model)
+    adm, body = await admit_as(request, CompletionRequest)
     given = inputs(adm, Dialect.OPENAI)
     prompt_ids = adm.state.prompts.encode(body.text())
     turn = adm.state.sessions.begin(adm, given, prompt_ids, ToolEvidence())

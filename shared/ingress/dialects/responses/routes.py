@@ -22,9 +22,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from kvmesh.engine.chat_template import ChatTemplateError
-from kvmesh.ingress.admission.admit import Admitted, admit, budget, check_model, parse
+from kvmesh.ingress.admission.admit import (
+    Admitted,
+    admit_as,
+    authenticated,
+    budget,
+)
 from kvmesh.ingress.core.errors import ApiError, Dialect, ErrorKind, invalid
-from kvmesh.ingress.core.state import IngressState, state_of
+from kvmesh.ingress.core.state import IngressState
 from kvmesh.ingress.core.types import (
     GatewayError,
     GenerationRequest,
@@ -83,9 +88,7 @@ class _Prepared:
     conversation: list[dict[str, Any]]  # stored history + this request's input items
 
 
-async def _prepare(adm: Admitted) -> _Prepared:
-    body = parse(ResponsesRequest, adm.body)
-    check_model(adm.state, body.model)
+async def _prepare(adm: Admitted, body: ResponsesRequest) -> _Prepared:
     body.check_unsupported()
     new = items(body.input)
     given = inputs(adm, Dialect.OPENAI)
@@ -118,8 +121,8 @@ async def _prepare(adm: Admitted) -> _Prepared:
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Any:
-    adm = await admit(request)
-    p = await _prepare(adm)
+    adm, body = await admit_as(request, ResponsesRequest)
+    p = await _prepare(adm, body)
     run = await open_run(adm, p.req, "responses")
     write = EventWriter()
     return await respond(run, _run(adm, p, run, write), p.body.stream, p.turn.header(), lambda: p.draft.final,
@@ -173,8 +176,7 @@ async def _save(adm: Admitted, p: _Prepared) -> None:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> Any:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     entry = await store_of(state).get(principal.tenant, response_id)
     if entry is None:
         raise _not_found(response_id)
@@ -183,8 +185,7 @@ async def get_response(request: Request, response_id: str) -> Any:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Any:
-    state = state_of(request)
-    principal = state.keyring.authenticate(request)
+    state, principal = authenticated(request)
     if not await store_of(state).delete(principal.tenant, response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
