@@ -32,7 +32,8 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvmesh.bench.agent_workload import AgentSession, build_agent_workload
@@ -47,7 +48,8 @@ from kvmesh.bench.serve import (
 from rich.console import Console
 
 FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
-AGENT_PRESET = "agent"  # random weights with 32k positions: every session fits, and blocks are small (8 KiB)
+BLOCK_SIZE = 16  # tokens per KV block
+CONTEXT_ROOM = 64  # tokens kept free beside the answer when a session is fitted to the context
 FDS_SLACK = 2  # a growth test's floor: a request's sockets come and go
 
 
@@ -62,6 +64,7 @@ class SoakConfig:
     warmup_s: float = 300.0
     seed: int = 0
     png: Path | None = None
+    model_dir: Path | None = None  # None: the default real model (SmolLM2-135M-Instruct), imported as `kvmesh up` does
 
 
 def _proc(pid: int) -> dict | None:
@@ -214,27 +217,53 @@ def _plot(samples: list[dict], path: Path) -> bool:
     return True
 
 
+def fit_to_context(sessions: Sequence[AgentSession], tools: list[dict], model_dir: Path, max_tokens: int
+                   ) -> tuple[list[AgentSession], int]:
+    """Each session cut before its first call whose prompt (the model's chat template, tools included) would
+    leave less than the answer and CONTEXT_ROOM of the context; also how many calls were cut."""
+    from kvmesh.engine.checkpoint import read_json
+    from kvmesh.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    context = int(read_json(model_dir / "config.json")["max_position_embeddings"])
+    fitted, cut = [], 0
+    for s in sessions:
+        keep = 0
+        while keep < len(s.steps) and (len(tok.encode(tok.apply_chat_template(s.messages(keep + 1), tools)))
+                                       + max_tokens + CONTEXT_ROOM <= context):
+            keep += 1
+        cut += len(s.steps) - keep
+        fitted.append(replace(s, steps=s.steps[:keep]))
+    return fitted, cut
+
+
+def _block_bytes(model_dir: Path, block_size: int) -> int:
+    from kvmesh.engine.checkpoint import read_json
+    from kvmesh.engine.model_config import parse_model_config
+
+    return parse_model_config(read_json(model_dir / "config.json")).kv_bytes_per_token() * block_size
+
+
 def run_soak(cfg: SoakConfig) -> dict:
     import tempfile
 
-    from kvmesh.engine.presets import PRESETS, write_preset
+    from kvmesh.stack.model import default_model_dir
 
     say = Console(stderr=True)
     w = build_agent_workload(REPO_ROOT, cfg.sessions * 2, seed=cfg.seed, max_steps=cfg.max_steps)
-    p = PRESETS[AGENT_PRESET]
-    kv_block_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * 4 * 16  # fp32, 16-token blocks
-    result: dict = {"config": {"duration_s": cfg.duration_s, "sessions": cfg.sessions, "l2_blocks": cfg.l2_blocks,
-                               "model": AGENT_PRESET, "sample_every_s": cfg.sample_every_s,
-                               "warmup_s": cfg.warmup_s}}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-soak-") as tmp:
-        model_dir = write_preset(Path(tmp) / AGENT_PRESET, AGENT_PRESET, "llama", seed=0)
+        model_dir = cfg.model_dir or default_model_dir(Path(tmp))
+        sessions, cut = fit_to_context(w.sessions, w.tools, model_dir, cfg.max_tokens)
+        result: dict = {"config": {"duration_s": cfg.duration_s, "sessions": cfg.sessions, "l2_blocks": cfg.l2_blocks,
+                                   "model": model_dir.name, "sample_every_s": cfg.sample_every_s,
+                                   "warmup_s": cfg.warmup_s, "calls_cut_to_fit_context": cut}}
         state_dir = Path(tmp) / "stack"
         state_dir.mkdir()
-        env = {"KVMESH_ENGINE__BLOCK_SIZE": "16",
-               "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * kv_block_bytes)}
+        env = {"KVMESH_ENGINE__BLOCK_SIZE": str(BLOCK_SIZE),
+               "KVMESH_TIERS__L2_CAPACITY_BYTES": str(cfg.l2_blocks * _block_bytes(model_dir, BLOCK_SIZE))}
         with running_stack(model_dir, ServeBenchConfig(model_dir=model_dir), True, say, env, state_dir) as url:
-            say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s")
-            result |= asyncio.run(_drive(url, model_dir.name, list(w.sessions), w.tools, cfg, state_dir, say))
+            say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s on {model_dir.name}")
+            result |= asyncio.run(_drive(url, model_dir.name, sessions, w.tools, cfg, state_dir, say))
             result["dead_letters"] = asyncio.run(_dead_letters(state_dir))
             result["retries"] = _counter(state_dir, "kvmesh_ingress_retries")
             result["l2_evicted_blocks"] = _counter(state_dir, "kvmesh_local_evicted_blocks", tier="l2",

@@ -272,12 +272,14 @@ def soak(
     sample_every_s: Annotated[float, typer.Option(min=1, help="Seconds between two resource samples.")] = 30.0,
     warmup_s: Annotated[float, typer.Option(min=0, help="Samples before this are left out of the flatness check.")] = 300.0,
     png: Annotated[Path | None, typer.Option(help="Write a plot of fds and RSS over time here.")] = None,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir to serve; default: SmolLM2-135M-Instruct, "
+                                                    "imported the way `kvmesh up` does.")] = None,
 ) -> None:
     """Concurrent agent sessions through `kvmesh up` for a long time: fds, RSS, threads per process; errors, DLQ."""
     from kvmesh.bench.soak import SoakConfig, run_soak
 
     cfg = SoakConfig(duration_s=duration_s, sessions=sessions, l2_blocks=l2_blocks, sample_every_s=sample_every_s,
-                     warmup_s=warmup_s, png=png)
+                     warmup_s=warmup_s, png=png, model_dir=None if model is None else model.resolve())
     typer.echo(json.dumps(run_soak(cfg), indent=None if json_out else 2))
 
 

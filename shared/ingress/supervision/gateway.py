@@ -1,8 +1,7 @@
 """The gateway: a validated request in, an ordered token stream out (one per ingress process).
 
-A dialect module (OpenAI, Anthropic) authenticates, validates and builds a
-`GenerationRequest` (prompt ids, sampling, pins), then either iterates
-`Gateway.stream(req)` (SSE) or awaits `Gateway.complete(req)`. The stream
+A dialect builds a `GenerationRequest` (shared/ingress/dialects/common.py) and
+iterates `Gateway.stream(req)`; named-cache creation awaits `Gateway.complete(req)`. The stream
 yields `TokenEvent`s in seq order without duplicates, each holding only
 tokens the caller has not seen; the last has `finished=True`. Failures that
 supervision cannot repair raise `GatewayError` (never a silent short stream).
