@@ -16,6 +16,8 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +130,25 @@ def worker_env(nats_url: str, s3, bucket: str, model_dir: Path, state_dir: Path,
         KVMESH_LOG_LEVEL="info",
     )
     return env
+
+
+@contextmanager
+def worker_stack(nats_server, s3_server, bucket: str, model_dir: Path, state_dir: Path,
+                 workers: Sequence[tuple[str, str]] = (("prefill", "pf-"), ("decode", "dc-")), audit_rate: float = 0.0,
+                 **env: str) -> Iterator[WorkerProcs]:
+    """The streams declared, `bucket` made, and one worker per (role, id prefix) of `workers` started, ready,
+    and stopped after; `env` adds settings to every worker's environment."""
+    declare_streams(nats_server.url)  # the streams the workers consume from
+    s3_server.ensure_bucket(bucket)
+    procs = WorkerProcs({**worker_env(nats_server.url, s3_server, bucket, model_dir, state_dir, audit_rate), **env},
+                        state_dir / "logs")
+    try:
+        for role, prefix in workers:
+            procs.start(role, unique(prefix))
+        procs.wait_ready()
+        yield procs
+    finally:
+        procs.stop_all()
 
 
 def prefill_job(request_id: str, prompt_ids: list[int], decode_worker: str, max_tokens: int, salt: str = SALT_A,

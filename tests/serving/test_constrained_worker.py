@@ -23,10 +23,9 @@ from .harness import (
     SALT_A,
     TokenCollector,
     WorkerProcs,
-    declare_streams,
     prefill_job,
     unique,
-    worker_env,
+    worker_stack,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,17 +40,9 @@ MAX_TOKENS = 1500
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    declare_streams(nats_server.url)  # the streams the workers consume from
-    s3_server.ensure_bucket(BUCKET)
-    state = tmp_path_factory.mktemp("serving-constrained")
-    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state), state / "logs")
-    try:
-        procs.start("prefill", unique("pf-"))
-        procs.start("decode", unique("dc-"))
-        procs.wait_ready()
+    with worker_stack(nats_server, s3_server, BUCKET, tiny_model_dir,
+                      tmp_path_factory.mktemp("serving-constrained")) as procs:
         yield procs
-    finally:
-        procs.stop_all()
 
 
 

@@ -24,10 +24,9 @@ from .harness import (
     BLOCK_SIZE,
     TokenCollector,
     WorkerProcs,
-    declare_streams,
     prefill_job,
     unique,
-    worker_env,
+    worker_stack,
 )
 
 pytestmark = pytest.mark.timeout(400)
@@ -55,21 +54,12 @@ def _reference(loaded, prompt: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, llama3_8b_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    declare_streams(nats_server.url)
-    s3_server.ensure_bucket(BUCKET)
-    state = tmp_path_factory.mktemp("real-geometry")
-    env = worker_env(nats_server.url, s3_server, BUCKET, llama3_8b_model_dir, state)
-    env.update(KVMESH_ENGINE__NUM_BLOCKS="96",  # 192 MiB of bf16 KV at this geometry
-               KVMESH_TIERS__L2_CAPACITY_BYTES=str(256 * 2**20),
-               KVMESH_TIERS__L3_TAIL_DELAY_S="0.2")
-    procs = WorkerProcs(env, state / "logs")
-    try:
-        procs.start("prefill", unique("pf-8b-"))
-        procs.start("decode", unique("dc-8b-"))
-        procs.wait_ready()
+    with worker_stack(nats_server, s3_server, BUCKET, llama3_8b_model_dir, tmp_path_factory.mktemp("real-geometry"),
+                      (("prefill", "pf-8b-"), ("decode", "dc-8b-")),
+                      KVMESH_ENGINE__NUM_BLOCKS="96",  # 192 MiB of bf16 KV at this geometry
+                      KVMESH_TIERS__L2_CAPACITY_BYTES=str(256 * 2**20),
+                      KVMESH_TIERS__L3_TAIL_DELAY_S="0.2") as procs:
         yield procs
-    finally:
-        procs.stop_all()
 
 
 

@@ -29,10 +29,9 @@ from .harness import (
     BLOCK_SIZE,
     TokenCollector,
     WorkerProcs,
-    declare_streams,
     prefill_job,
     unique,
-    worker_env,
+    worker_stack,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,20 +43,10 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    declare_streams(nats_server.url)
-    s3_server.ensure_bucket(BUCKET)
-    state = tmp_path_factory.mktemp("tier-metrics")
-    env = worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state)
     # Peers off: a block comes from this worker's own tiers. A short tail delay: the chain's last chunk lands soon.
-    env.update(KVMESH_WORKERS__PROBE_PEERS="false", KVMESH_TIERS__L3_TAIL_DELAY_S="0.1")
-    procs = WorkerProcs(env, state / "logs")
-    try:
-        procs.start("prefill", unique("pf-"))
-        procs.start("decode", unique("dc-"))
-        procs.wait_ready()
+    with worker_stack(nats_server, s3_server, BUCKET, tiny_model_dir, tmp_path_factory.mktemp("tier-metrics"),
+                      KVMESH_WORKERS__PROBE_PEERS="false", KVMESH_TIERS__L3_TAIL_DELAY_S="0.1") as procs:
         yield procs
-    finally:
-        procs.stop_all()
 
 
 

@@ -34,10 +34,9 @@ from .harness import (
     SALT_B,
     TokenCollector,
     WorkerProcs,
-    declare_streams,
     prefill_job,
     unique,
-    worker_env,
+    worker_stack,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,19 +46,9 @@ BUCKET = "kvmesh-serving-flow"
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[WorkerProcs]:
-    declare_streams(nats_server.url)
-    s3_server.ensure_bucket(BUCKET)
-    state = tmp_path_factory.mktemp("serving-flow")
-    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state, audit_rate=1.0),
-                        state / "logs")
-    try:
-        procs.start("prefill", unique("pf-"))
-        procs.start("decode", unique("dc-"))
-        procs.start("decode", unique("dc-"))
-        procs.wait_ready()
+    with worker_stack(nats_server, s3_server, BUCKET, tiny_model_dir, tmp_path_factory.mktemp("serving-flow"),
+                      (("prefill", "pf-"), ("decode", "dc-"), ("decode", "dc-")), audit_rate=1.0) as procs:
         yield procs
-    finally:
-        procs.stop_all()
 
 
 
