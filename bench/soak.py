@@ -185,6 +185,22 @@ async def _dead_letters(state_dir: Path) -> int:
         await nc.close()
 
 
+def retry_reasons(log_dir: Path) -> list[dict]:
+    """Every retry the ingress logged ("retrying request": which request, at which stage, why), so a run that
+    misses the 0-retries target says what its retries were."""
+    found = []
+    for path in sorted(log_dir.glob("ingress-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"retrying request"' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            found.append({k: entry.get(k) for k in ("timestamp", "request_id", "stage", "attempt", "reason")})
+    return found
+
+
 def _counter(state_dir: Path, family_name: str, **labels: str) -> float:
     """A counter summed over every service of the stack (and over the labels not named)."""
     return sum(s.value for family in stack_metric_families(state_dir) if family.name == family_name
@@ -266,6 +282,7 @@ def run_soak(cfg: SoakConfig) -> dict:
             result |= asyncio.run(_drive(url, model_dir.name, sessions, w.tools, cfg, state_dir, say))
             result["dead_letters"] = asyncio.run(_dead_letters(state_dir))
             result["retries"] = _counter(state_dir, "kvmesh_ingress_retries")
+            result["retry_reasons"] = retry_reasons(state_dir / "logs")
             result["l2_evicted_blocks"] = _counter(state_dir, "kvmesh_local_evicted_blocks", tier="l2",
                                                    reason="capacity")
     result["processes"] = judge(result["samples"], cfg.warmup_s)

@@ -45,3 +45,17 @@ def test_a_short_soak_through_the_stack_reports_every_process() -> None:
     assert {"nats", "s3", "prefill-0", "decode-0", "ingress-0", "cache_index-0", "eviction-0"} <= names
     assert all(p["fds_max"] > 0 and p["rss_mb_max"] > 0 and p["threads_max"] > 0 for p in out["processes"].values())
     assert out["l2_evicted_blocks"] > 0  # 64 blocks of L2: the lanes' contexts do not fit
+
+
+def test_retry_reasons_come_from_the_ingress_log(tmp_path) -> None:
+    from kvmesh.bench.soak import retry_reasons
+
+    (tmp_path / "ingress-0.log").write_text("\n".join([
+        json.dumps({"event": "request finished", "request_id": "req_a"}),
+        json.dumps({"event": "retrying request", "request_id": "req_b", "stage": "prefill", "attempt": 1,
+                    "reason": "prefill worker silent", "timestamp": "t"}),
+        "not json",
+    ]))
+    (tmp_path / "prefill-0.log").write_text(json.dumps({"event": "retrying request", "request_id": "req_c"}))
+    assert retry_reasons(tmp_path) == [{"timestamp": "t", "request_id": "req_b", "stage": "prefill", "attempt": 1,
+                                        "reason": "prefill worker silent"}]
