@@ -1,6 +1,7 @@
 """How long to wait between tries: exponential backoff, capped, with jitter.
 
-`Backoff(first_s, max_s)` waits `first_s`, then doubles up to `max_s`. With `jitter` j each wait is
+`Backoff(first_s, max_s)` waits `first_s`, then doubles up to `max_s` (a `max_s` below `first_s` caps
+every wait, as a setting may ask). With `jitter` j each wait is
 scaled by a random factor in [1 - j, 1], so clients that failed together (a fleet losing its NATS
 server, uploaders losing S3) do not retry in lockstep. Every retry loop in kvmesh takes its waits from
 one of these; what counts as retriable and when to give up stays with the loop.
@@ -23,8 +24,8 @@ class Backoff:
     attempt: int = 0  # waits handed out since the last reset
 
     def __post_init__(self) -> None:
-        if not 0 < self.first_s <= self.max_s:
-            raise ValueError(f"need 0 < first_s <= max_s, got {self.first_s} and {self.max_s}")
+        if self.first_s <= 0 or self.max_s <= 0:
+            raise ValueError(f"waits must be positive, got first_s={self.first_s} and max_s={self.max_s}")
         if not 0 <= self.jitter <= 1:
             raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
 

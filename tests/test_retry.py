@@ -31,7 +31,12 @@ def test_jitter_spreads_clients_that_failed_together() -> None:
     assert len(waits) > 1 and all(0.5 <= w <= 1.0 for w in waits)
 
 
-@pytest.mark.parametrize("first,cap,jitter", [(0.0, 1.0, 0.0), (2.0, 1.0, 0.0), (0.1, 1.0, 1.5)])
+def test_a_cap_below_the_first_wait_caps_every_wait() -> None:
+    b = Backoff(0.5, 0.2)
+    assert [b.next() for _ in range(3)] == [0.2, 0.2, 0.2]
+
+
+@pytest.mark.parametrize("first,cap,jitter", [(0.0, 1.0, 0.0), (0.1, 0.0, 0.0), (0.1, 1.0, 1.5)])
 def test_refuses_settings_that_cannot_back_off(first: float, cap: float, jitter: float) -> None:
     with pytest.raises(ValueError):
         Backoff(first, cap, jitter)

@@ -4,10 +4,10 @@
 renders the prefix (chat template, no generation prompt, piecewise ids as
 every request), pins it whole in the eviction service for the tenant (a 429
 when that passes the tenant's pin cap, which is its L3 quota, or the
-deployment's: pin_admission.py), runs a `prefill_only` job pinned for the
+deployment's: admission/pins.py), runs a `prefill_only` job pinned for the
 TTL (the prefill worker computes it, pins it and writes it to L3 with the
 cache's TTL, which wins over the upload's), then stores the
-metadata (named_cache_store.py) and returns `{id: "cache_...", ...}`.
+metadata (store.py) and returns `{id: "cache_...", ...}`.
 DELETE releases the pins. TTL:
 60 s to 30 days (`ttl` as "90s", "5m", "1h", "7d"). Every route is
 tenant-scoped: another tenant's cache is a 404, as is an expired one.

@@ -1,7 +1,7 @@
 """Sessions at the ingress: every request gets one, and every finished turn says how it ended.
 
 A dialect route calls, in order:
-1. `inputs(adm, dialect)` right after validating the body: the explicit
+1. `inputs(adm, dialect)` (turn.py) right after validating the body: the explicit
    session id and the hints (shared/sessions/identity.py); malformed ones are
    a 400 in the route's dialect, before anything is published;
 2. `tracker.begin(adm, inputs, prompt_ids, evidence)` once the prompt is

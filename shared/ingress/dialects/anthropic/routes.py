@@ -2,7 +2,7 @@
 
 Auth by `x-api-key` (a Bearer token works too); `anthropic-version` is
 accepted and not checked. The response is a `message` object with a text
-block and any `tool_use` blocks parsed from the output (anthropic_output.py;
+block and any `tool_use` blocks parsed from the output (output.py;
 tool_choice any/tool forces them), `stop_reason` (`end_turn` / `tool_use` /
 `max_tokens` / `stop_sequence` with the matched `stop_sequence`) and
 Anthropic's cache usage (see cache_control.py).

@@ -4,10 +4,10 @@ A request's items (after its `previous_response_id`'s stored conversation,
 with its own `instructions` first) become chat-template messages and run
 like `/v1/chat/completions`: same prompt builder, same session tracker, same
 gateway. Tool calls in the output become `function_call` items
-(`responses_tools.py` splits them out of the text and builds the decoding
+(`tools.py` splits them out of the text and builds the decoding
 constraint for `tool_choice` and `text.format`). With `store` (default) the
 response and its conversation go to the `responses` KV bucket
-(`response_store.py`), and a follow-up continues the stored session.
+(`store.py`), and a follow-up continues the stored session.
 Everything that can be wrong with a request is checked before a job is
 published. A stream waits for the first token before answering 200, as the
 chat route does; a failure after that is an `error` event.
