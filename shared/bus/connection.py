@@ -56,7 +56,8 @@ class _Hooks:
     settings: BusSettings
     nc: NATS
     rng: random.Random = field(default_factory=random.Random)  # jitter only; nothing is derived from it
-    last_error: Exception | None = None  # said when the first connect gives up (e.g. an authorization violation)
+    last_error: Exception | None = None  # said when the first connect gives up
+    refusal: Exception | None = None  # the server refused our credentials: said instead, being the cause
     backoff: Backoff = field(init=False)  # the wait before a server's next reconnect, by its reconnects so far
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class _Hooks:
 
     async def on_error(self, exc: Exception) -> None:
         self.last_error = exc
+        if AUTHORIZATION_VIOLATION.lower() in str(exc).lower():  # a later reset of a refused client hides it
+            self.refusal = exc
         log.warning("nats error", connection=self.name, error=repr(exc))
 
     async def on_disconnected(self) -> None:
@@ -112,7 +115,10 @@ async def connect(url: str, name: str, settings: BusSettings | None = None, auth
         )
     except TimeoutError:
         await nc.close()
-        why = f" (last error: {hooks.last_error!r})" if hooks.last_error else ""
+        if hooks.refusal is not None:
+            why = f" (refused: {hooks.refusal!r})"
+        else:
+            why = f" (last error: {hooks.last_error!r})" if hooks.last_error else ""
         where = ",".join(ClientAuth().server_url(u) for u in url.split(",") if u.strip())  # without credentials
         raise ConnectionError(
             f"NATS at {where} did not answer within {settings.connect_retry_total_s:.0f}s{why}") from None

@@ -55,3 +55,29 @@ async def test_a_server_error_reconnects_instead_of_closing(nats_server):
         assert msg.data == b"still here"
     finally:
         await nc.close()
+
+
+async def test_a_refusal_stays_the_reason_when_later_tries_are_reset() -> None:
+    """A server that refuses the credentials once and then resets every connection (as a loaded nats-server may
+    do to a client it refused): the error names the refusal, not the last reset."""
+    tries = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            writer.write(b'INFO {"server_id":"fake","version":"2.10.0","max_payload":1048576,"auth_required":true}\r\n')
+            await reader.readline()  # CONNECT
+            writer.write(b"-ERR 'Authorization Violation'\r\n")
+            await writer.drain()
+        writer.transport.abort()  # later tries: reset at once
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ConnectionError) as gave_up:
+            await connect(f"nats://127.0.0.1:{port}", "refused",
+                          FAST_BUS.model_copy(update={"connect_retry_total_s": 1.5}))
+    finally:
+        server.close()
+    assert tries > 1 and "authorization violation" in str(gave_up.value).lower()
