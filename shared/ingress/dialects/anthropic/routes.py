@@ -186,5 +186,6 @@ async def _events(adm: Admitted, req: GenerationRequest, body: MessagesRequest, 
                "usage": {"output_tokens": len(out.ids)}}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
     finish_turn(adm, turn, run, out.text, reason[0], called)
-    answer.update(_message(req, body.model, content, reason,
-                           _cache_usage(run.usage, placed).to_dict(len(out.ids))))
+    if not body.stream:
+        answer.update(_message(req, body.model, content, reason,
+                               _cache_usage(run.usage, placed).to_dict(len(out.ids))))

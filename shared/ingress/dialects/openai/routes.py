@@ -180,17 +180,21 @@ async def _chunks(adm: Admitted, req: GenerationRequest, body: _Common, turn: Tu
             choice = _delta(piece) if chat else _choice(False, piece["content"], None)
             yield sse({**env, "choices": [choice], **tail})
     out, usage = run.output, run.usage
-    called = deltas.called if body.stream else chat_message(out.text, parsing)[1] if chat else []
+    text = out.text
+    # the whole message only where it is answered (non-streaming): a stream's calls are the ones it streamed
+    message, parsed = chat_message(text, parsing) if chat and not body.stream else (None, [])
+    called = deltas.called if body.stream else parsed
     yield sse({**env, "choices": [_choice(chat, None, finish_reason(out.finish, bool(called)))], **tail})
     if body.include_usage:
         yield sse({**env, "choices": [], "usage": _usage(usage, len(out.ids))})
     yield sse("[DONE]")
-    finish_turn(adm, turn, run, out.text if chat else None, "tool_calls" if called else out.finish, called)
+    finish_turn(adm, turn, run, text if chat else None, "tool_calls" if called else out.finish, called)
+    if body.stream:
+        return
     if chat:
-        message, _ = chat_message(out.text, parsing)
         choice = {"index": 0, "message": message, "logprobs": None,
                   "finish_reason": finish_reason(out.finish, bool(called))}
     else:
-        choice = _choice(False, out.text, out.finish)
+        choice = _choice(False, text, out.finish)
     answer.update({**_envelope(req, body.model, chat, False), "choices": [choice],
                    "usage": _usage(usage, len(out.ids))})
