@@ -54,8 +54,11 @@ class JobLedger:
         self._done(request_id, attempt)
 
     def stale(self, request_id: str, attempt: int) -> bool:
-        """Whether (request_id, attempt) must publish nothing more: aborted, fenced, or a newer attempt done here."""
-        return request_id in self._aborted or self._finished.get(request_id, -1) >= attempt
+        """Whether (request_id, attempt) must publish nothing more: aborted, fenced, or a newer attempt
+        running or done here."""
+        run = self._running.get(request_id)
+        return (request_id in self._aborted or self._finished.get(request_id, -1) >= attempt
+                or (run is not None and run.attempt > attempt))
 
     def claim(self, request_id: str, attempt: int) -> Claim:
         if request_id in self._aborted:

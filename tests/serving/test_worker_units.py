@@ -67,3 +67,17 @@ def test_ledger_fence_stops_replaced_attempts_only():
     assert ledger.claim("f", 1) is Claim.RUN  # the migration may come back here: the newer attempt runs
     ledger.release("f", 0, finished=True)  # the replaced run ends later; attempt 1 is still wanted
     assert not ledger.stale("f", 1) and ledger.claim("f", 1) is Claim.WAIT
+
+
+def test_ledger_a_newer_attempt_running_here_makes_the_older_stale():
+    """An older attempt still fetching its blocks when a newer one starts here must not take the engine
+    back from it (it would abort the newer run, then be fenced itself when that run ends: no final event)."""
+    ledger = JobLedger()
+    assert ledger.claim("g", 0) is Claim.RUN
+    assert not ledger.stale("g", 0)
+    assert ledger.claim("g", 1) is Claim.RUN  # the retry's handoff, while attempt 0 still resolves
+    assert ledger.stale("g", 0) and not ledger.stale("g", 1)
+    ledger.release("g", 0, finished=False)  # attempt 0 gives up: the newer run stays registered
+    assert ledger.stale("g", 0) and not ledger.stale("g", 1) and ledger.claim("g", 1) is Claim.WAIT
+    ledger.release("g", 1, finished=True)
+    assert ledger.stale("g", 0) and ledger.stale("g", 1)
