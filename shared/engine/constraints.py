@@ -54,6 +54,12 @@ class EngineConstraints:
             self._filler.apply(pending, logits)
 
     @staticmethod
+    def done(req: Request) -> bool:
+        """Whether the request's grammar is complete already (a migrated request's tokens finished it)."""
+        matcher: Matcher | None = req.matcher
+        return matcher is not None and matcher.done
+
+    @staticmethod
     def advance(req: Request, token: int) -> bool:
         """Move the request's matcher past `token`; True when its grammar is complete (the request stops)."""
         matcher: Matcher | None = req.matcher

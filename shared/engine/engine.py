@@ -102,13 +102,16 @@ class Engine:
 
         `generated`: output tokens already produced elsewhere (a migrated request): they count as
         output (max_tokens, stop strings, detokenization continue from them) and are not re-reported.
+        If they already end the request (a stop token, a stop string, a complete grammar, max_tokens:
+        the first worker's final event was lost), the next step reports it finished with that reason
+        and no new token, without running it.
         `use_cache=False` computes the whole prompt cold (the cache audit).
         A lease named `request_id` (blocks imported for it) is adopted: it ends when the request
         finishes or is aborted. A request that raises here leaves it to `release_lease`.
         """
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
-        if generated and len(generated) >= params.max_tokens:
+        if len(generated) > params.max_tokens:
             raise ValueError(f"request {request_id!r}: {len(generated)} tokens already generated, max_tokens {params.max_tokens}")
         all_ids = [*prompt_ids, *generated]
         if min(all_ids) < 0 or max(all_ids) >= self.loaded.config.vocab_size:
@@ -138,13 +141,31 @@ class Engine:
         )
         skip_draws(req.generator, len(generated), self.loaded.config.vocab_size)  # seeded sampling continues
         self.constraints.attach(req, generated)  # the grammar continues too (ConstraintError is a ValueError)
+        stop_token = bool(generated) and self._is_stop_token(generated[-1], params)
         if params.detokenize:
             req.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, params.stop)
-            for tok in generated:  # prime: text and stop-string state continue where the first worker was
+            # Prime: text and stop-string state continue where the first worker was (which never
+            # fed a stop token to its detokenizer).
+            for tok in generated[: len(generated) - stop_token]:
                 req.detokenizer.add(tok)
             req.detokenizer.take_delta(False)
+        req.finish_reason = self._ended_before_start(req, stop_token)
+        if req.finish_reason is not None:
+            self.leases.release(request_id)
+            self._pending.append(self._output(req, [], time.monotonic()))
+            return
         self._requests[request_id] = req
         self.scheduler.add(req)
+
+    def _is_stop_token(self, tok: int, p: SamplingParams) -> bool:
+        return tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos)
+
+    @staticmethod
+    def _ended_before_start(req: Request, stop_token: bool) -> str | None:
+        """How the tokens a migrated request brings already end it, if they do (as `_advance` would have)."""
+        if stop_token or (req.detokenizer is not None and req.detokenizer.stopped) or EngineConstraints.done(req):
+            return "stop"
+        return "length" if req.num_output_tokens >= req.params.max_tokens else None
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; the next `step()` reports it finished with reason "abort".
@@ -204,7 +225,7 @@ class Engine:
             req.first_token_time = now
         p = req.params
         complete = self.constraints.advance(req, tok)  # the grammar is complete: nothing else may follow
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
+        if self._is_stop_token(tok, p):
             req.finish_reason = "stop"
         elif req.detokenizer is not None and req.detokenizer.add(tok):
             req.finish_reason = "stop"

@@ -61,7 +61,30 @@ def test_resumed_seeded_sampling_draws_what_the_whole_run_draws(loaded):
 
 def test_generated_counts_against_max_tokens(loaded):
     with pytest.raises(ValueError, match="already generated"):
-        _engine(loaded).add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), generated=[4, 5])
+        _engine(loaded).add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), generated=[4, 5, 6])
+
+
+def test_a_migration_whose_tokens_already_end_it_finishes_without_a_new_token(loaded):
+    """The first worker produced every token but its final event was lost: the new attempt ends at once,
+    with the reason and the text the whole run had (a stop token, a stop string, max_tokens)."""
+    prompt = loaded.tokenizer.encode("Every token was delivered; only the final event went missing.")
+    free = _run(_engine(loaded), "free", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    stop_text = free.text[len(free.text) // 2:][:3]
+    cases = {
+        "length": SamplingParams(max_tokens=24, ignore_eos=True),
+        "stop token": SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[free.token_ids[9]]),
+        "stop string": SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text]),
+    }
+    for case, params in cases.items():
+        whole = _run(_engine(loaded), "whole", prompt, params)
+        assert whole.finish_reason == ("length" if case == "length" else "stop"), case
+        engine = _engine(loaded)
+        engine.add_request("again", prompt, params, generated=whole.token_ids)
+        (out,) = engine.step()
+        assert out.finished and out.finish_reason == whole.finish_reason, case
+        assert out.new_token_ids == [] and out.token_ids == whole.token_ids, case
+        assert out.text == whole.text, case
+        assert not engine.has_unfinished() and engine.cache.pool.num_free == engine.settings.num_blocks, case
 
 
 def test_use_cache_false_recomputes_cold(loaded):

@@ -209,6 +209,25 @@ async def test_migration_without_reachable_blocks_recomputes(stack, nats_server,
         assert final.finish_reason == "length"
 
 
+async def test_migration_with_every_token_delivered_only_finishes(stack, nats_server, reference):
+    """The first decode worker's final event was lost after its last token: the migrated attempt sends
+    one final event with no token at seq max_tokens, finish reason length (nothing is generated again)."""
+    _, _, dc1 = _ids(stack)
+    prompt = _prompt(reference, "Every token of this answer reached the client; only its end went missing.")
+    full = reference(prompt, 12)
+    rid = unique()
+    job = DecodeJob(request_id=rid, attempt=1, tenant="t", tenant_salt=SALT_B, prompt_ids=prompt, generated=full,
+                    sampling=SamplingSpec(max_tokens=12), handles=[], prompt_tokens=len(prompt),
+                    deadline=time.time() + 60)
+    async with connected(nats_server.url) as nc:
+        c = await TokenCollector(rid).subscribe(nc)
+        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_decode(dc1), job, msg_id=f"{rid}:1")
+        final = await c.wait_final()
+        await c.close()
+    assert len(full) == 12 and final.error is None and final.finish_reason == "length"
+    assert [(e.seq, e.token_ids, e.finished) for e in c.events] == [(12, [], True)]
+
+
 async def test_tenants_never_share_blocks(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "Identical words from two tenants must never share one cached block. " * 2)
