@@ -185,19 +185,28 @@ async def _dead_letters(state_dir: Path) -> int:
         await nc.close()
 
 
-def retry_reasons(log_dir: Path) -> list[dict]:
-    """Every retry the ingress logged ("retrying request": which request, at which stage, why), so a run that
-    misses the 0-retries target says what its retries were."""
-    found = []
-    for path in sorted(log_dir.glob("ingress-*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if '"retrying request"' not in line:
-                continue
+def _log_entries(path: Path, needle: str):
+    """The JSON log lines of `path` that contain `needle`."""
+    for line in path.read_text(errors="replace").splitlines():
+        if needle in line:
             try:
-                entry = json.loads(line)
+                yield json.loads(line)
             except ValueError:
                 continue
-            found.append({k: entry.get(k) for k in ("timestamp", "request_id", "stage", "attempt", "reason")})
+
+
+def retry_reasons(log_dir: Path) -> list[dict]:
+    """Every retry the ingress logged ("retrying request": which request, at which stage, why), so a run that
+    misses the 0-retries target says what its retries were; each with its `trail`, what every service
+    logged about that request, in time order."""
+    found = [{k: entry.get(k) for k in ("timestamp", "request_id", "stage", "attempt", "reason")}
+             for path in sorted(log_dir.glob("ingress-*.log"))
+             for entry in _log_entries(path, '"retrying request"')]
+    for retry in found:
+        trail = [{"log": path.stem, **{k: v for k, v in entry.items() if k not in ("request_id", "level")}}
+                 for path in sorted(log_dir.glob("*.log"))
+                 for entry in _log_entries(path, f'"{retry["request_id"]}"')]
+        retry["trail"] = sorted(trail, key=lambda e: str(e.get("timestamp")))
     return found
 
 

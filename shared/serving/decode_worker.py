@@ -97,7 +97,11 @@ class DecodeWorker:
             return
         engine_id = f"{job.request_id}:{job.attempt}:decode"
         try:
+            t0 = time.perf_counter()
             sources = await self._resolve(job, salt, engine_id)
+            log.info("decode blocks resolved", request_id=job.request_id, attempt=job.attempt,
+                     handles=len(job.handles), sources={t.value: n for t, n in sources.items() if n},
+                     ms=round((time.perf_counter() - t0) * 1000, 1))
             if self.ledger.stale(job.request_id, job.attempt):  # aborted or replaced while its blocks came
                 stream.cancel()
                 self._stopped(job)

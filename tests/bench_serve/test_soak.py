@@ -57,5 +57,14 @@ def test_retry_reasons_come_from_the_ingress_log(tmp_path) -> None:
         "not json",
     ]))
     (tmp_path / "prefill-0.log").write_text(json.dumps({"event": "retrying request", "request_id": "req_c"}))
-    assert retry_reasons(tmp_path) == [{"timestamp": "t", "request_id": "req_b", "stage": "prefill", "attempt": 1,
-                                        "reason": "prefill worker silent"}]
+    (tmp_path / "decode-0.log").write_text("\n".join([
+        json.dumps({"event": "decoded", "request_id": "req_b", "timestamp": "u", "level": "info"}),
+        json.dumps({"event": "decode blocks resolved", "request_id": "req_b", "timestamp": "s", "ms": 5}),
+        json.dumps({"event": "decoded", "request_id": "req_bb", "timestamp": "s"}),
+    ]))
+    assert retry_reasons(tmp_path) == [{
+        "timestamp": "t", "request_id": "req_b", "stage": "prefill", "attempt": 1, "reason": "prefill worker silent",
+        "trail": [{"log": "decode-0", "event": "decode blocks resolved", "timestamp": "s", "ms": 5},
+                  {"log": "ingress-0", "event": "retrying request", "stage": "prefill", "attempt": 1,
+                   "reason": "prefill worker silent", "timestamp": "t"},
+                  {"log": "decode-0", "event": "decoded", "timestamp": "u"}]}]
