@@ -10,8 +10,9 @@ the next one under a new session id, until `duration_s` ends.
 Every `sample_every_s` the bench reads, for each process of the stack
 (services, nats-server, weed): open fds, RSS, threads and memory mappings,
 from /proc. At the end it reads the ingress's retries (a worker silent past
-its timeout: prefill retried or decode migrated), the DEAD_LETTER stream's
-messages and the blocks L2 evicted (it must, for the run to count).
+its timeout: prefill retried or decode migrated), what each JetStream stream
+holds (DEAD_LETTER's messages among them) and the blocks L2 evicted (it
+must, for the run to count).
 
 Two judgements of the samples after `warmup_s`, per process:
 - `flat` (the target): every sample's fds within ±5% of their median, RSS
@@ -45,6 +46,7 @@ from kvmesh.bench.serve import (
     stack_metric_families,
     stream_chat,
 )
+from kvmesh.protocol.streams import DEAD_LETTER
 from rich.console import Console
 
 FDS_BAND, RSS_BAND = 0.05, 0.10  # the targets: fds within ±5% of their median after warm-up, RSS ±10%
@@ -171,16 +173,17 @@ async def _drive(base_url: str, model: str, sessions: list[AgentSession], tools:
             "cached_token_ratio": round(cached / max(1, prompt), 4), "samples": samples}
 
 
-async def _dead_letters(state_dir: Path) -> int:
+async def _streams(state_dir: Path) -> dict[str, dict]:
+    """What each JetStream stream holds at the end (messages, bytes): what nats-server keeps for the run."""
     import nats
     from kvmesh.bus.client_auth import connect_kwargs
     from kvmesh.credentials.nats import admin_auth
-    from kvmesh.protocol.streams import DEAD_LETTER
 
     url = json.loads((state_dir / "stack.json").read_text())["nats_url"]
     nc = await nats.connect(**connect_kwargs(url, admin_auth(state_dir)))
     try:
-        return (await nc.jetstream().stream_info(DEAD_LETTER.name)).state.messages
+        return {info.config.name: {"messages": info.state.messages, "bytes": info.state.bytes}
+                for info in await nc.jetstream().streams_info()}
     finally:
         await nc.close()
 
@@ -289,7 +292,8 @@ def run_soak(cfg: SoakConfig) -> dict:
         with running_stack(model_dir, ServeBenchConfig(model_dir=model_dir), True, say, env, state_dir) as url:
             say.log(f"soak: {cfg.sessions} lanes for {cfg.duration_s:.0f} s on {model_dir.name}")
             result |= asyncio.run(_drive(url, model_dir.name, sessions, w.tools, cfg, state_dir, say))
-            result["dead_letters"] = asyncio.run(_dead_letters(state_dir))
+            result["streams"] = asyncio.run(_streams(state_dir))
+            result["dead_letters"] = result["streams"].get(DEAD_LETTER.name, {}).get("messages", 0)
             result["retries"] = _counter(state_dir, "kvmesh_ingress_retries")
             result["retry_reasons"] = retry_reasons(state_dir / "logs")
             result["l2_evicted_blocks"] = _counter(state_dir, "kvmesh_local_evicted_blocks", tier="l2",
