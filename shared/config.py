@@ -245,6 +245,11 @@ class IngressSettings(BaseModel):
     fetch_l3_s_per_block: float = 8e-3  # object storage
     affinity_bonus_s: float = 0.02  # the session/prompt_cache_key home's cost is lowered by this (a bonus, no veto)
     load_bound: float = 1.5  # bounded load: no worker above load_bound x the average in-flight (+1) per worker
+    # where a request decodes (shared/ingress/routing/placement.py): "split" always hands off to a decode worker;
+    # "priced" decodes on the prefill worker unless the handoff pays (`kvmesh up` runs "priced": one box)
+    decode_placement: Literal["split", "priced"] = "split"
+    handoff_s_per_block: float = 5e-3  # prior: a block's KV moved from the prefill into the decode worker's pool
+    decode_s_per_token: float = 0.02  # prior: one decode step's share of a batch, as a queued prefill feels it
     # the tool-call syntax parsed from (and forced on) outputs: "auto" (from the chat template) or a name in
     # shared/toolcalls/formats.py ("hermes", "llama3_json")
     tool_parser: str = "auto"

@@ -10,7 +10,11 @@ For each `PrefillJob` (idempotent on request_id + attempt):
    `DecodeJob` (handles + first token) to `handoff(decode_worker)`; the job
    is acked once that publish is.
 If the first token ends the request (eos, stop string, max_tokens 1) the
-seq-0 event is final and nothing is handed off. A named-cache job
+seq-0 event is final and nothing is handed off. A job whose `decode_worker`
+is this worker (the ingress found a handoff would not pay:
+shared/ingress/routing/placement.py) runs to its end here instead: tokens
+stream from seq 0, and prompt + output go to the tiers after the final
+event (before it when the request pins), as a decode worker's would. A named-cache job
 (`prefill_only`) writes its blocks to L3 with its TTL, waits for the write
 and reports with one final event without tokens.
 """
@@ -25,6 +29,7 @@ from kvmesh.bus.consumer import PermanentError
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import WorkerSettings
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.request import RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
@@ -33,9 +38,9 @@ from kvmesh.serving.engine_loop import RequestSpec
 from kvmesh.serving.kv_store import store_chain
 from kvmesh.serving.ledger import JobLedger, run_once
 from kvmesh.serving.pinning import L2Pins, apply_pins, cache_created
-from kvmesh.serving.prefix_reach import reach_prefix
+from kvmesh.serving.prefix_reach import Reach, reach_prefix
 from kvmesh.serving.runtime import WorkerRuntime
-from kvmesh.serving.token_stream import publish_event
+from kvmesh.serving.token_stream import TokenStream, publish_event
 from kvmesh.tiers.namespace import namespace_for
 from kvmesh.traffic.tiers import tier_tokens
 from nats.aio.msg import Msg
@@ -50,7 +55,7 @@ class PrefillWorker:
     publisher: Publisher
     settings: WorkerSettings = field(default_factory=WorkerSettings)
     ledger: JobLedger = field(default_factory=JobLedger)
-    _engine_ids: dict[str, str] = field(default_factory=dict)  # request id -> engine id of the run here
+    _engine_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # request id -> (attempt, engine id) here
     l2_pins: L2Pins | None = None  # this worker's L2 pin budget (None: L2 bounds its pins by itself)
 
     def __post_init__(self) -> None:
@@ -59,12 +64,16 @@ class PrefillWorker:
     async def handle(self, job: PrefillJob, msg: Msg | None = None) -> None:
         await run_once(self.ledger, job.request_id, job.attempt, lambda: self._run(job))
 
-    def abort(self, request_id: str) -> None:
-        """The client went away: stop the request here and publish nothing more for it."""
-        self.ledger.abort(request_id)
-        engine_id = self._engine_ids.get(request_id)
-        if engine_id is not None:
-            self.rt.engine.abort(engine_id)
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
+        """Stop the request here and publish nothing more for it: every attempt (`attempt` None: the client
+        went away), or `attempt` and older ones (a migration moved a request decoding here elsewhere)."""
+        if attempt is None:
+            self.ledger.abort(request_id)
+        else:
+            self.ledger.fence(request_id, attempt)
+        running = self._engine_ids.get(request_id)
+        if running is not None and (attempt is None or running[0] <= attempt):
+            self.rt.engine.abort(running[1])
 
     def _event(self, job: PrefillJob, **kw) -> TokenEvent:
         return TokenEvent(request_id=job.request_id, attempt=job.attempt, seq=0, prompt_tokens=len(job.prompt_ids),
@@ -96,10 +105,13 @@ class PrefillWorker:
             reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
                                        self.publisher.nc, prefix_worker=job.prefix_worker, lease=engine_id,
                                        inflight=self.settings.resolve_inflight)
-            if self.ledger.aborted(job.request_id):
+            if self.ledger.stale(job.request_id, job.attempt):
+                return
+            if job.decode_worker == self.worker_id and not job.prefill_only:
+                await self._decode_here(job, reach, salt, engine_id)
                 return
             spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling, max_tokens=1), salt)
-            self._engine_ids[job.request_id] = engine_id
+            self._engine_ids[job.request_id] = (job.attempt, engine_id)
             t1 = time.perf_counter()
             try:
                 out = await asyncio.wait_for(engine.run_request(spec, lambda _: None), job.deadline - time.time())
@@ -165,6 +177,68 @@ class PrefillWorker:
         )
         await self.publisher.publish(subjects.handoff(job.decode_worker), handoff,
                                      msg_id=f"{job.request_id}:{job.attempt}")
+
+    async def _decode_here(self, job: PrefillJob, reach: Reach, salt: bytes, engine_id: str) -> None:
+        """Run the request to its end on this worker: tokens from seq 0 (the first event carries the prefill's
+        usage), then prompt + output into the tiers; pins are applied before the final event."""
+        engine, block_size = self.rt.engine, self.rt.engine.engine.block_size
+        t0 = time.perf_counter()
+        stream: TokenStream | None = None
+
+        def on_output(o: RequestOutput) -> None:
+            nonlocal stream
+            if stream is None:
+                stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, 0,
+                                     len(job.prompt_ids), o.cached_tokens,
+                                     fenced=lambda: self.ledger.stale(job.request_id, job.attempt),
+                                     tier_tokens=tier_tokens(reach.sources, block_size, o.cached_tokens))
+            stream.add(o.new_token_ids, o.text_delta)
+
+        spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling), salt)
+        self._engine_ids[job.request_id] = (job.attempt, engine_id)
+        try:
+            out = await asyncio.wait_for(engine.run_request(spec, on_output), job.deadline - time.time())
+        except ValueError as exc:  # refused at admission: nothing was streamed
+            await self._fail(job, str(exc), retriable=False)
+            return
+        except TimeoutError:
+            await (stream.finish("error", error="deadline passed during decode") if stream is not None
+                   else self._fail(job, "deadline passed during prefill", retriable=True))
+            return
+        except BaseException:
+            if stream is not None:
+                stream.cancel()
+            raise
+        finally:
+            if self._engine_ids.get(job.request_id) == (job.attempt, engine_id):
+                del self._engine_ids[job.request_id]
+        if out.finish_reason == "abort" or stream is None:  # migrated away, or the client went away
+            if stream is not None:
+                stream.cancel()
+            return
+        if self.rt.tier_metrics is not None:
+            usable = (len(job.prompt_ids) - 1) // block_size
+            self.rt.tier_metrics.observe("prefill", reach.sources, usable, reach.restore_s)
+        created = cache_created(job.pins, len(reach.hashes), block_size, out.cached_tokens)
+        t1 = time.perf_counter()
+        if job.pins:
+            await self._store_output(job, out.token_ids, salt)
+            await apply_pins(engine, self.rt.tiers, job.pins, reach.hashes, namespace_for(job.tenant_salt),
+                             self.l2_pins)
+        await stream.finish(out.finish_reason, cache_created_tokens=created)
+        t2 = time.perf_counter()
+        if not job.pins:
+            await self._store_output(job, out.token_ids, salt)
+        log.info("decoded here", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
+                 cached_tokens=out.cached_tokens, output_tokens=len(out.token_ids),
+                 sources={t.value: n for t, n in reach.sources.items() if n}, ttft_s=out.ttft,
+                 ms={"engine": _ms(t0, t1), "finish": _ms(t1, t2), "store": _ms(t2, time.perf_counter())})
+
+    async def _store_output(self, job: PrefillJob, output_ids: list[int], salt: bytes) -> None:
+        """Full blocks of prompt + output into L2 (+ L3 queue): the next turn's prefix."""
+        token_ids = job.prompt_ids + output_ids
+        hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
+        await store_chain(self.rt.engine, self.rt.tiers, hashes, job.tenant_salt, session_id=job.session_id)
 
     async def _named_cache(self, job: PrefillJob, chain: list, cached: int, created: int) -> None:
         ttl = max((p.ttl_s for p in job.pins), default=self.rt.tiers.l3.ttl_s if self.rt.tiers.l3 else 0.0)

@@ -79,8 +79,8 @@ async def setup_prefill(ctx: ServiceContext) -> None:
     l2_pins = L2Pins.for_tier(ctx.settings.pins, rt.tiers.l2.capacity_bytes, block_bytes)
     worker = PrefillWorker(ctx.worker_id, rt, ctx.publisher, ctx.settings.workers, l2_pins=l2_pins)
     handler = typed(PrefillJob, worker.handle)
-    # prefill stops whole requests only: an attempt-scoped abort is for the decode attempt a migration replaced
-    await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id) if a.attempt is None else None)
+    # an attempt-scoped abort stops a request that decoded here and was migrated away
+    await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id, a.attempt))
     for spec in (*own_job_consumers(Role.PREFILL, ctx.worker_id), PREFILL_ANY):
         ctx.add_consumer(job_consumer(spec), handler)
 

@@ -48,6 +48,7 @@ class TokenStream:
     prompt_tokens: int
     cached_tokens: int
     fenced: Callable[[], bool] = _never  # True: this attempt must say nothing more (checked before each publish)
+    tier_tokens: dict[str, int] | None = None  # where cached_tokens came from: on the first event only
     _ids: list[int] = field(default_factory=list)
     _text: str = ""
     _final: dict | None = None
@@ -89,7 +90,9 @@ class TokenStream:
                 self._ids, self._text = [], ""
                 ev = TokenEvent(request_id=self.request_id, attempt=self.attempt, seq=self.next_seq, token_ids=ids,
                                 text=text, finished=final is not None, prompt_tokens=self.prompt_tokens,
-                                cached_tokens=self.cached_tokens, worker_id=self.worker_id, **(final or {}))
+                                cached_tokens=self.cached_tokens, tier_tokens=self.tier_tokens,
+                                worker_id=self.worker_id, **(final or {}))
+                self.tier_tokens = None
                 self.next_seq += len(ids)
                 await publish_event(self.publisher, ev)
             if final is not None:

@@ -86,6 +86,8 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
     )
     if ctx.model_dir is not None:
         env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
+    # One box: every worker computes on the same cores, so a handoff frees nothing (routing/placement.py).
+    env.setdefault("KVMESH_INGRESS__DECODE_PLACEMENT", "priced")
     if ctx.nats_users is not None:
         _role, password = ctx.nats_users.users[worker_id]
         env.update(KVMESH_NATS_USER=worker_id, KVMESH_NATS_PASSWORD=password)

@@ -17,6 +17,7 @@ from kvmesh.bus.publish import Publisher
 from kvmesh.config import IngressSettings
 from kvmesh.ingress.core.errors import ErrorKind
 from kvmesh.ingress.core.types import Completion, GatewayError, GenerationRequest, Usage
+from kvmesh.ingress.routing.placement import PlacementCosts
 from kvmesh.ingress.routing.prefix_locator import PrefixLocator
 from kvmesh.ingress.routing.router import Router
 from kvmesh.ingress.routing.workers import WorkerTable
@@ -36,6 +37,7 @@ class Gateway:
         self.on_retry = on_retry  # counts prefill retries and decode migrations
         self.on_stale_event = on_stale_event  # counts token events of replaced attempts, dropped unseen
         self.router = Router.of(table, settings)
+        self.placement = PlacementCosts.of(settings)  # where each request decodes (routing/placement.py)
         self.locator = locator  # None: prefill is routed by load and affinity only
         self.detokenize = detokenize  # text of a partly duplicated event's new tokens
         self.in_flight = 0

@@ -10,6 +10,9 @@ worker's heartbeat:
   `inter_token_timeout_s` -> a migration DecodeJob (prompt + every token
   delivered so far, attempt+1) goes to another decode worker, which
   continues at seq = len(generated).
+The decode worker of an attempt is the prefill worker itself where a
+handoff does not pay (shared/ingress/routing/placement.py): that worker
+then runs the request to its end, watched and migrated the same way.
 Events are delivered by seq: a seq already delivered is dropped, one ahead
 is buffered. Only the current attempt's events count: an older attempt's
 (a replaced worker that still runs, e.g. paused and resumed) are dropped
@@ -37,6 +40,7 @@ from kvmesh.bus.publish import Publisher, PublishError
 from kvmesh.config import IngressSettings
 from kvmesh.ingress.core.errors import ErrorKind
 from kvmesh.ingress.core.types import GatewayError, GenerationRequest, Usage
+from kvmesh.ingress.routing.placement import PlacementCosts, decode_here
 from kvmesh.ingress.routing.prefix_locator import PrefixLocator
 from kvmesh.ingress.routing.router import Router
 from kvmesh.ingress.routing.workers import WorkerTable
@@ -64,6 +68,7 @@ class Wiring(Protocol):
     table: WorkerTable
     router: Router
     locator: PrefixLocator | None
+    placement: PlacementCosts
     settings: IngressSettings
     detokenize: Callable[[Sequence[int]], str]
     on_retry: Callable[[], None]
@@ -73,7 +78,7 @@ class Wiring(Protocol):
 class RequestRun:
     __slots__ = ("gw", "req", "usage", "attempt", "stage", "prefill_worker", "decode_worker", "next_seq",
                  "generated", "_pending", "_inbox", "_sub", "_finished", "_held", "_deadline", "_progress",
-                 "_prefill_sent")
+                 "_prefill_sent", "_local")
 
     def __init__(self, gw: Wiring, req: GenerationRequest, usage: Usage) -> None:
         if req.sampling.temperature > 0 and req.sampling.seed is None:
@@ -94,6 +99,7 @@ class RequestRun:
         self._deadline = time.time() + gw.settings.request_deadline_s
         self._progress = time.monotonic()  # when the current attempt last delivered (or started)
         self._prefill_sent = 0.0  # when the current PrefillJob was published: seq 0 measures the worker's rate
+        self._local = False  # the current attempt decodes on its prefill worker (no handoff)
 
     # --- lifecycle -------------------------------------------------------
 
@@ -140,7 +146,7 @@ class RequestRun:
                 await self._sub.unsubscribe()
             if not self._finished and self.gw.nc.is_connected:
                 before_handoff = self.stage is Stage.PREFILL
-                workers = [self.prefill_worker, self.decode_worker] if before_handoff else [self.decode_worker]
+                workers = {self.prefill_worker, self.decode_worker} if before_handoff else {self.decode_worker}
                 abort = AbortRequest(request_id=self.req.request_id).to_bytes()
                 for worker in filter(None, workers):
                     await self.gw.nc.publish(subjects.abort(worker), abort)
@@ -240,10 +246,8 @@ class RequestRun:
     async def _start_prefill(self, exclude: tuple[str, ...]) -> None:
         req = self.req
         self.prefill_worker, prefix_worker = await self._choose_prefill(exclude)
-        if not self.decode_worker or self.gw.table.gone(self.decode_worker).is_set():
-            self.decode_worker = self._choose(Role.DECODE, ())
-            self._hold(self.decode_worker)
         self._hold(self.prefill_worker)
+        self._place_decode()
         job = PrefillJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
                          tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
@@ -252,9 +256,27 @@ class RequestRun:
         self._prefill_sent = time.monotonic()
         await self._publish(subjects.jobs_prefill(self.prefill_worker), job)
 
+    def _place_decode(self) -> None:
+        """The decode worker of this attempt: the prefill worker itself where a handoff does not pay
+        (routing/placement.py; the PrefillJob then names its own worker for decode), else one by load,
+        kept across prefill retries while it lives."""
+        table = self.gw.table
+        keep = bool(self.decode_worker) and not self._local and not table.gone(self.decode_worker).is_set()
+        candidate = self.decode_worker if keep else self.gw.router.pick(Role.DECODE, self.req.affinity_key)
+        block_size = self.gw.locator.block_size if self.gw.locator is not None else 16
+        self._local = decode_here(self.gw.placement, table.view(self.prefill_worker),
+                                  table.view(candidate) if candidate else None, len(self.req.prompt_ids),
+                                  self.req.sampling.max_tokens, block_size)
+        if self._local:
+            self.decode_worker = self.prefill_worker
+        elif not keep:
+            self.decode_worker = candidate or self._choose(Role.DECODE, ())
+            self._hold(self.decode_worker)
+
     async def _migrate(self) -> None:
         req = self.req
         replaced = self.decode_worker
+        self._local = False
         self.decode_worker = self._choose(Role.DECODE, (replaced,))
         self._hold(self.decode_worker)
         job = DecodeJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
