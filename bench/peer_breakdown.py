@@ -1,16 +1,19 @@
 """Where a kvmesh request's time goes, from the client's token times and the prefill worker's own spans.
 
-The prefill worker logs one `prefilled` line per request (shared/serving/prefill_worker.py) when it has
-stored the blocks: its wall-clock timestamp and the milliseconds of each span (`reach`: finding and
+The prefill worker logs one line per request (shared/serving/prefill_worker.py) at its end: `prefilled`
+when it hands the request off, `decoded here` when it decodes it too. The line holds its wall-clock
+timestamp and the milliseconds of each span, in order up to that timestamp (`reach`: finding and
 restoring cached blocks, `engine`: queueing in the engine and the prefill itself, `token0`: publishing
-token 1, `store`: registering the blocks afterwards). Joined with the client's send time and token
-arrivals on the request id (the completion id's hex), on one box and one clock:
+token 1, or `decode` and `finish` for the rest of a request decoded there, `store`: registering the
+blocks afterwards). Joined with the client's send time and token arrivals on the request id (the
+completion id's hex), on one box and one clock:
 
 - `to_prefill`: send -> the prefill worker starts (HTTP, admission, prompt rendering, routing with its
   cache-index lookup, the JetStream hop, waiting for the worker);
 - `reach`, `engine`, `token0`: the spans above;
 - `token1_delivery`: token 1 published -> at the client (the token hop back and the SSE write);
-- `handoff`: the gap between tokens 1 and 2 beyond a steady token (decode fetching the KV and starting);
+- `handoff`: the gap between tokens 1 and 2 beyond a steady token (decode fetching the KV and starting;
+  about 0 for a request decoded on its prefill worker);
 - `tpot`: the median gap between later tokens.
 """
 
@@ -24,20 +27,21 @@ from pathlib import Path
 from kvmesh.bench.peer_drive import Timing, pct
 
 STAGES = ("to_prefill", "reach", "engine", "token0", "token1_delivery", "handoff", "tpot", "store")
+LINES = ("prefilled", "decoded here")
 
 
 def prefill_spans(log_dir: Path) -> dict[str, tuple[float, dict]]:
-    """request hex -> (the `prefilled` line's epoch seconds, its ms spans); the first attempt's line."""
+    """request hex -> (the worker's line's epoch seconds, its ms spans); the first attempt's line."""
     out: dict[str, tuple[float, dict]] = {}
     for path in sorted(log_dir.glob("prefill-*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            if '"prefilled"' not in line:
+            if not any(f'"{event}"' in line for event in LINES):
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("event") == "prefilled" and rec.get("request_id", "").startswith("req_"):
+            if rec.get("event") in LINES and rec.get("request_id", "").startswith("req_"):
                 at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
                 out.setdefault(rec["request_id"].removeprefix("req_"), (at, rec.get("ms") or {}))
     return out
@@ -46,7 +50,7 @@ def prefill_spans(log_dir: Path) -> dict[str, tuple[float, dict]]:
 def request_stages(t: Timing, line: tuple[float, dict]) -> dict[str, float]:
     at, ms = line
     span = {k: float(ms.get(k, 0.0)) / 1000 for k in ("reach", "engine", "token0", "store")}
-    started = at - sum(span.values())
+    started = at - sum(float(v) for v in ms.values()) / 1000
     token1_out = started + span["reach"] + span["engine"] + span["token0"]
     stages = {"to_prefill": started - t.sent, **span, "token1_delivery": t.token_times[0] - token1_out}
     gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:], strict=False)]

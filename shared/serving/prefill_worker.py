@@ -108,7 +108,7 @@ class PrefillWorker:
             if self.ledger.stale(job.request_id, job.attempt):
                 return
             if job.decode_worker == self.worker_id and not job.prefill_only:
-                await self._decode_here(job, reach, salt, engine_id)
+                await self._decode_here(job, reach, salt, engine_id, reach_ms=_ms(t0, time.perf_counter()))
                 return
             spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling, max_tokens=1), salt)
             self._engine_ids[job.request_id] = (job.attempt, engine_id)
@@ -178,16 +178,20 @@ class PrefillWorker:
         await self.publisher.publish(subjects.handoff(job.decode_worker), handoff,
                                      msg_id=f"{job.request_id}:{job.attempt}")
 
-    async def _decode_here(self, job: PrefillJob, reach: Reach, salt: bytes, engine_id: str) -> None:
+    async def _decode_here(self, job: PrefillJob, reach: Reach, salt: bytes, engine_id: str, reach_ms: float) -> None:
         """Run the request to its end on this worker: tokens from seq 0 (the first event carries the prefill's
-        usage), then prompt + output into the tiers; pins are applied before the final event."""
+        usage), then prompt + output into the tiers; pins are applied before the final event.
+
+        Logs `decoded here` with the spans `reach`, `engine` (to the first token), `decode` (to the last),
+        `finish` (pins, the final event) and `store`, in that order, ending at the line's timestamp."""
         engine, block_size = self.rt.engine, self.rt.engine.engine.block_size
-        t0 = time.perf_counter()
+        t0 = first_at = time.perf_counter()
         stream: TokenStream | None = None
 
         def on_output(o: RequestOutput) -> None:
-            nonlocal stream
+            nonlocal stream, first_at
             if stream is None:
+                first_at = time.perf_counter()
                 stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, 0,
                                      len(job.prompt_ids), o.cached_tokens,
                                      fenced=lambda: self.ledger.stale(job.request_id, job.attempt),
@@ -231,8 +235,9 @@ class PrefillWorker:
             await self._store_output(job, out.token_ids, salt)
         log.info("decoded here", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
                  cached_tokens=out.cached_tokens, output_tokens=len(out.token_ids),
-                 sources={t.value: n for t, n in reach.sources.items() if n}, ttft_s=out.ttft,
-                 ms={"engine": _ms(t0, t1), "finish": _ms(t1, t2), "store": _ms(t2, time.perf_counter())})
+                 sources={t.value: n for t, n in reach.sources.items() if n},
+                 ms={"reach": reach_ms, "engine": _ms(t0, first_at), "decode": _ms(first_at, t1), "finish": _ms(t1, t2),
+                     "store": _ms(t2, time.perf_counter())})
 
     async def _store_output(self, job: PrefillJob, output_ids: list[int], salt: bytes) -> None:
         """Full blocks of prompt + output into L2 (+ L3 queue): the next turn's prefix."""
