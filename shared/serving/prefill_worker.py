@@ -104,7 +104,7 @@ class PrefillWorker:
             # in the pool until the request runs (it adopts the lease) or the lease is released.
             reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
                                        self.publisher.nc, prefix_worker=job.prefix_worker, lease=engine_id,
-                                       inflight=self.settings.resolve_inflight)
+                                       inflight=self.settings.resolve_inflight, gate=self.rt.restore_gate)
             if self.ledger.stale(job.request_id, job.attempt):
                 return
             if job.decode_worker == self.worker_id and not job.prefill_only:
@@ -127,6 +127,7 @@ class PrefillWorker:
             engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
         if out.finish_reason == "abort":  # the client went away: publish nothing more
             return
+        self._observe_compute(job, out)
         if self.rt.tier_metrics is not None:
             usable = (len(job.prompt_ids) - 1) // engine.engine.block_size
             self.rt.tier_metrics.observe("prefill", reach.sources, usable, reach.restore_s)
@@ -220,6 +221,7 @@ class PrefillWorker:
             if stream is not None:
                 stream.cancel()
             return
+        self._observe_compute(job, out)
         if self.rt.tier_metrics is not None:
             usable = (len(job.prompt_ids) - 1) // block_size
             self.rt.tier_metrics.observe("prefill", reach.sources, usable, reach.restore_s)
@@ -238,6 +240,11 @@ class PrefillWorker:
                  sources={t.value: n for t, n in reach.sources.items() if n},
                  ms={"reach": reach_ms, "engine": _ms(t0, first_at), "decode": _ms(first_at, t1), "finish": _ms(t1, t2),
                      "store": _ms(t2, time.perf_counter())})
+
+    def _observe_compute(self, job: PrefillJob, out: RequestOutput) -> None:
+        """This worker's prefill rate, for the restore gate: the engine's time to the first token per computed token."""
+        if self.rt.restore_gate is not None:
+            self.rt.restore_gate.observe_compute(out.ttft, len(job.prompt_ids) - out.cached_tokens)
 
     async def _store_output(self, job: PrefillJob, output_ids: list[int], salt: bytes) -> None:
         """Full blocks of prompt + output into L2 (+ L3 queue): the next turn's prefix."""

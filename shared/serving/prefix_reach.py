@@ -10,7 +10,8 @@ request can use count: at least the last prompt token is always computed,
 so a prompt of n tokens reaches at most (n - 1) // block_size blocks.
 Reached blocks are imported as they arrive (under `lease`, the id the
 request will run under, so they stay until it runs); whatever is not
-reached is simply computed.
+reached is simply computed. With a `gate`, a tier that restores slower
+than this worker computes is not asked (shared/serving/restore_gate.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvmesh.serving.kv_fetch import (
     cached_run,
     fetch_chain,
 )
+from kvmesh.serving.restore_gate import RestoreGate
 from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
 from nats.aio.client import Client as NATS
 
@@ -56,7 +58,7 @@ class Reach:
 
 async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequence[str], prompt_ids: list[int],
                        tenant_salt: str, nc: NATS | None = None, prefix_worker: str | None = None,
-                       lease: str | None = None, inflight: int = _INFLIGHT) -> Reach:
+                       lease: str | None = None, inflight: int = _INFLIGHT, gate: RestoreGate | None = None) -> Reach:
     """With `nc`, the cache index is asked (while the host tiers are looked at) how far L3 holds the chain;
     a ready index that knows of nothing past a window's start saves its L3 GETs. No answer: ask L3.
 
@@ -83,8 +85,12 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
         # of a conversation whose earlier turns were local.
         sources.append(L3Source(tiers.l3, namespace_for(tenant_salt), search_partial=l1 == 0, known_end=known_end))
     window = tiers.l3.chunk_blocks if tiers.l3 is not None else DEFAULT_WINDOW_BLOCKS
+    if gate is not None:
+        sources = [s for s in sources if gate.pays(s.tier)]
     fetched = await fetch_chain(engine, hashes, l1, usable, sources, tenant_salt=salt, lease=lease,
                                 window_blocks=window, inflight=inflight)
+    if gate is not None:
+        gate.observe_restore(fetched.sources, fetched.restore_s)
     reach.imported = len(fetched.hashes)
     reach.sources.update(fetched.sources)
     reach.restore_s = fetched.restore_s

@@ -23,6 +23,7 @@ from kvmesh.protocol.streams import ConsumerSpec
 from kvmesh.service.runner import ServiceContext
 from kvmesh.serving.engine_loop import EngineLoop
 from kvmesh.serving.peers import PeerDirectory
+from kvmesh.serving.restore_gate import RestoreGate
 from kvmesh.serving.session_feed import SessionFeed
 from kvmesh.serving.tier_metrics import TierMetrics, export_worker_metrics
 from kvmesh.serving.worker_tiers import WorkerTiers
@@ -44,6 +45,7 @@ class WorkerRuntime:
     events: KVEventPublisher  # L1 (engine), L2 and L3 changes -> the cache index
     sessions: SessionFeed | None = None  # with a session-aware engine policy: turns -> its book
     tier_metrics: TierMetrics | None = None  # hits / misses / bytes / restore time per tier on /metrics
+    restore_gate: RestoreGate | None = None  # restore a tier only when it beats recompute here
 
     @classmethod
     async def start(cls, ctx: ServiceContext) -> WorkerRuntime:
@@ -66,7 +68,8 @@ class WorkerRuntime:
         sessions = SessionFeed(engine, policy) if isinstance(policy, SessionAware) else None
         if sessions is not None:
             await sessions.start(ctx.js)
-        rt = cls(loaded, engine, tiers, peers, events, sessions, metrics)
+        gate = RestoreGate.create(s.engine.block_size, ctx.metrics.registry)
+        rt = cls(loaded, engine, tiers, peers, events, sessions, metrics, gate)
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
         ctx.capacity = float(s.engine.max_num_seqs)
