@@ -20,6 +20,8 @@ from kvmesh.kernels.paged_attention import paged_attention
 from kvmesh.kernels.rope import apply_rope
 from torch import nn
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) tables of rope_tables(), indexed by position
+
 
 class RMSNorm(nn.Module):
     """HF's RMSNorm: normalize in float32, scale in the input dtype."""
@@ -48,19 +50,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        kv_layer: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_layer: torch.Tensor, rope: Rope) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, batch.positions, cos, sin)
+        q, k = apply_rope(q, k, batch.positions, *rope)
         write_kv(kv_layer, k, v, batch.slot_mapping)
         o = paged_attention(
             q, kv_layer, batch.block_tables, batch.query_lens, batch.context_lens, self.scale
@@ -87,15 +82,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        kv_layer: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_layer, cos, sin)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_layer: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_layer, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,8 +117,9 @@ class PagedCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
+        rope = (self.rope_cos, self.rope_sin)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, batch, kv_cache[i], self.rope_cos, self.rope_sin)
+            h = layer(h, batch, kv_cache[i], rope)
         # The norm is per row, so selecting first gives the same numbers for less work.
         h = self.model.norm(h[batch.logits_indices])
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

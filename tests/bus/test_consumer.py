@@ -25,6 +25,28 @@ def _loop(nc, spec: ConsumerSpec, handler, metrics: ServiceMetrics | None = None
     return ConsumerLoop(js, spec, handler, Publisher(js, FAST_BUS, metrics), metrics, FAST_BUS, drain_s)
 
 
+async def _crash_holding_the_next(url: str, spec: ConsumerSpec, publisher_nc, payload: bytes):
+    """Instance A takes the message published next (`payload`) and dies without a verdict: its connection
+    just closes, no ack, no nak. Returns the publish's ack and the delivery counts A saw."""
+    nc_a = await connect(url, "instance-a", FAST_BUS)
+    deliveries: list[int] = []
+    a_has_it = asyncio.Event()
+
+    async def hang(msg: Msg) -> None:
+        deliveries.append(msg.metadata.num_delivered)
+        a_has_it.set()
+        await asyncio.Event().wait()
+
+    loop_a = _loop(nc_a, spec, hang)
+    task_a = asyncio.create_task(loop_a.run())
+    await loop_a.wait_ready()
+    ack = await Publisher(publisher_nc.jetstream(), FAST_BUS).publish(spec.filter_subject, payload, msg_id=unique())
+    await asyncio.wait_for(a_has_it.wait(), 5)
+    task_a.cancel()
+    await nc_a.close()
+    return ack, deliveries
+
+
 async def _dead_letters(nc, stream: str, seq: int) -> Msg:
     """The dead letter of stream message `seq`, fetched by its header from the DLQ stream."""
     js = nc.jetstream()
@@ -39,27 +61,24 @@ async def _dead_letters(nc, stream: str, seq: int) -> Msg:
         await sub.unsubscribe()
 
 
+async def _dead_letter_of_one(nc, spec: ConsumerSpec, handler) -> Msg:
+    """Run a loop with `handler`, publish one message to it and wait for that message's dead letter; the loop
+    is stopped after."""
+    loop = _loop(nc, spec, handler)
+    task = asyncio.create_task(loop.run())
+    ack = await Publisher(nc.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
+    dead = await asyncio.wait_for(_dead_letters(nc, JOBS.name, ack.seq), 10)
+    loop.stop()
+    await asyncio.wait_for(task, 5)
+    return dead
+
+
 async def test_unacked_message_is_redelivered_to_another_instance(nats_server):
     worker = unique("w")
     spec = ConsumerSpec(JOBS.name, f"prefill-{worker}", subjects.jobs_prefill(worker), ack_wait_s=1.0)
-    got: list[tuple[str, int]] = []
     async with connected(nats_server.url) as nc_b:
-        # Instance A takes the message and dies without a verdict (its connection just closes).
-        nc_a = await connect(nats_server.url, "instance-a", FAST_BUS)
-        a_has_it = asyncio.Event()
-
-        async def hang(msg: Msg) -> None:
-            got.append(("a", msg.metadata.num_delivered))
-            a_has_it.set()
-            await asyncio.Event().wait()
-
-        loop_a = _loop(nc_a, spec, hang)
-        task_a = asyncio.create_task(loop_a.run())
-        await loop_a.wait_ready()
-        ack = await Publisher(nc_b.jetstream(), FAST_BUS).publish(spec.filter_subject, b"job-1", msg_id=unique())
-        await asyncio.wait_for(a_has_it.wait(), 5)
-        task_a.cancel()
-        await nc_a.close()  # the process "crashes": no ack, no nak
+        ack, a_deliveries = await _crash_holding_the_next(nats_server.url, spec, nc_b, b"job-1")
+        got: list[tuple[str, int]] = [("a", n) for n in a_deliveries]
 
         async def take(msg: Msg) -> None:
             got.append(("b", msg.metadata.num_delivered))
@@ -166,12 +185,7 @@ async def test_permanent_error_skips_retries(nats_server):
         raise PermanentError("prompt longer than the model's context")
 
     async with connected(nats_server.url) as nc:
-        loop = _loop(nc, spec, refuse)
-        task = asyncio.create_task(loop.run())
-        ack = await Publisher(nc.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
-        dead = await asyncio.wait_for(_dead_letters(nc, JOBS.name, ack.seq), 10)
-        loop.stop()
-        await asyncio.wait_for(task, 5)
+        dead = await _dead_letter_of_one(nc, spec, refuse)
     assert calls == [1]
     assert "context" in dead.headers[subjects.HDR_DLQ_REASON]
 
@@ -185,12 +199,7 @@ async def test_hung_handler_times_out_and_is_dead_lettered(nats_server):
         await asyncio.Event().wait()
 
     async with connected(nats_server.url) as nc:
-        loop = _loop(nc, spec, hang)
-        task = asyncio.create_task(loop.run())
-        ack = await Publisher(nc.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
-        dead = await asyncio.wait_for(_dead_letters(nc, JOBS.name, ack.seq), 10)
-        loop.stop()
-        await asyncio.wait_for(task, 5)
+        dead = await _dead_letter_of_one(nc, spec, hang)
     assert "handler timed out after 0.5s" in dead.headers[subjects.HDR_DLQ_REASON]
 
 
@@ -198,20 +207,7 @@ async def test_message_whose_last_attempt_died_is_dead_lettered_not_dropped(nats
     worker = unique("w")
     spec = ConsumerSpec(JOBS.name, f"decode-{worker}", subjects.jobs_decode(worker), ack_wait_s=1.0, max_deliver=1)
     async with connected(nats_server.url) as nc_b:
-        nc_a = await connect(nats_server.url, "instance-a", FAST_BUS)
-        taken = asyncio.Event()
-
-        async def hang(msg: Msg) -> None:
-            taken.set()
-            await asyncio.Event().wait()
-
-        loop_a = _loop(nc_a, spec, hang)
-        task_a = asyncio.create_task(loop_a.run())
-        await loop_a.wait_ready()
-        ack = await Publisher(nc_b.jetstream(), FAST_BUS).publish(spec.filter_subject, b"x", msg_id=unique())
-        await asyncio.wait_for(taken.wait(), 5)
-        task_a.cancel()
-        await nc_a.close()  # the only attempt dies without a verdict
+        ack, _ = await _crash_holding_the_next(nats_server.url, spec, nc_b, b"x")  # the only attempt
 
         calls: list[int] = []
 

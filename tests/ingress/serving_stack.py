@@ -6,23 +6,34 @@ PID in `stop()` (run it in a fixture's finally). Heartbeat TTLs are short so
 a killed worker is noticed within ~2 s. Every ingress of a stack gets the
 stack's one salt secret (`KVMESH_INGRESS_SECRET`), as the replicas of a
 deployment do; metrics are read from a process's side port (`metrics()`).
+`own_nats` and the context managers built on it give a module its stack on
+servers of its own; the functions at the end are what the error and fault
+tests check and do (no job published, affinity keys, retries, a kill mid-stream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
+from kvmesh.ingress.routing.router import home
 from kvmesh.net import free_port
 from kvmesh.stack.probe import wait_http_ok
 from kvmesh.stack.servers import ManagedProcess, NatsServer, S3Server, spawn_process
+
+
+BUCKET = "kvmesh-ingress-tests"  # a stack's S3 bucket, unless it asks for one of its own
 
 
 async def declare(nats_url: str) -> None:
@@ -55,7 +66,7 @@ class ServingStack:
     s3: S3Server | None
     model_dir: Path
     api_keys: dict[str, str]  # key -> tenant
-    bucket: str = "kvmesh-ingress-tests"
+    bucket: str = BUCKET
     ingress_port: int = 0
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     side_ports: dict[str, int] = field(default_factory=dict)  # worker id -> its side HTTP port (/metrics, /readyz)
@@ -135,28 +146,98 @@ class ServingStack:
 
 
 def make_stack(root: Path, nats: NatsServer, s3: S3Server | None, model_dir: Path,
-               api_keys: dict[str, str], **extra_env: str) -> ServingStack:
-    """A stack with streams declared and the S3 bucket made; nothing started yet."""
+               api_keys: dict[str, str], bucket: str = BUCKET, **extra_env: str) -> ServingStack:
+    """A stack with streams declared and its S3 `bucket` made; nothing started yet."""
     asyncio.run(declare(nats.url))
-    stack = ServingStack(root, nats, s3, model_dir, api_keys, ingress_port=free_port(), extra_env=extra_env)
+    stack = ServingStack(root, nats, s3, model_dir, api_keys, bucket, ingress_port=free_port(), extra_env=extra_env)
     if s3 is not None:
         s3.ensure_bucket(stack.bucket)
     return stack
 
 
 @contextmanager
-def one_of_each(root: Path, s3: S3Server, model_dir: Path, api_keys: dict[str, str],
+def own_nats(root: Path, s3: S3Server | None, model_dir: Path, api_keys: dict[str, str], bucket: str = BUCKET,
+             **extra_env: str) -> Iterator[ServingStack]:
+    """A stack (as `make_stack` makes it) on a NATS server of its own, nothing started yet; on exit every
+    process it started is stopped, then the server. `extra_env` (KVMESH_...) reaches every process."""
+    nats = NatsServer(data_dir=root / "nats")
+    nats.start()
+    try:
+        stack = make_stack(root, nats, s3, model_dir, api_keys, bucket, **extra_env)
+        try:
+            yield stack
+        finally:
+            stack.stop()
+    finally:
+        nats.stop()
+
+
+@contextmanager
+def own_nats_and_s3(root: Path, model_dir: Path, api_keys: dict[str, str],
+                    **extra_env: str) -> Iterator[ServingStack]:
+    """`own_nats` with an S3 server of its own too (`stack.s3`); both keep their data under `root`, so a
+    test may stop and start them again."""
+    s3 = S3Server(data_dir=root / "s3")
+    s3.start()
+    try:
+        with own_nats(root, s3, model_dir, api_keys, **extra_env) as stack:
+            yield stack
+    finally:
+        s3.stop()
+
+
+@contextmanager
+def one_of_each(root: Path, s3: S3Server | None, model_dir: Path, api_keys: dict[str, str],
                 **extra_env: str) -> Iterator[ServingStack]:
     """A NATS server of its own plus one prefill, one decode and a ready ingress; all stopped on exit.
     `extra_env` (KVMESH_...) reaches every process."""
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    stack = make_stack(root, nats, s3, model_dir, api_keys, **extra_env)
-    try:
+    with own_nats(root, s3, model_dir, api_keys, **extra_env) as stack:
         stack.start("prefill", "prefill-0")
         stack.start("decode", "decode-0")
         stack.start_ready("ingress", "ingress-0")  # ready = NATS + a live prefill and decode worker
         yield stack
-    finally:
-        stack.stop()
-        nats.stop()
+
+
+@contextmanager
+def ingress_alone(root: Path, model_dir: Path, api_keys: dict[str, str], **extra_env: str) -> Iterator[ServingStack]:
+    """An ingress with no workers and no S3 on a NATS server of its own (no worker of another module is
+    live there), its API up but never ready: a valid request is the 503 case. Stopped on exit."""
+    with own_nats(root, None, model_dir, api_keys, **extra_env) as stack:
+        stack.start("ingress", "ingress-0")
+        stack.wait_http("ingress-0")
+        yield stack
+
+
+@contextmanager
+def no_job_published(stack: ServingStack) -> Iterator[None]:
+    """Asserts, when the block is over, that nothing was published to JOBS inside it (its last sequence held)."""
+    before = asyncio.run(job_count(stack.nats.url))
+    yield
+    assert asyncio.run(job_count(stack.nats.url)) == before, "a rejected request published a job"
+
+
+def key_homed_on(workers: list[str], target: str) -> str:
+    """An affinity key (`prompt_cache_key`) whose rendezvous home among `workers` is `target`."""
+    return next(k for k in (f"key-{i}" for i in range(1000)) if home(k, workers) == target)
+
+
+def ingress_retries(stack: ServingStack) -> float:
+    """kvmesh_ingress_retries_total of the stack's ingress-0 (0 before the first retry)."""
+    match = re.search(r"^kvmesh_ingress_retries_total (\S+)$", stack.metrics(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def stream_killing(stack: ServingStack, client: openai.OpenAI, victim: str, route: str,
+                   **create: Any) -> tuple[str, str | None]:
+    """Stream a completion (`create`: completions.create's arguments) whose route header must name `route`,
+    SIGKILL the stack's `victim` once its third chunk is in, and read on to the end: (text, finish reason)."""
+    with client.completions.with_streaming_response.create(stream=True, **create) as response:
+        assert route in response.headers["kvmesh-route"]
+        parts: list[str] = []
+        finish = None
+        for i, chunk in enumerate(response.parse()):
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+            if i == 2:
+                stack.signal(victim, signal.SIGKILL)
+    return "".join(parts), finish

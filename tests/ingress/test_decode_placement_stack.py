@@ -8,17 +8,14 @@ stream goes on with exactly the tokens it would have had, none duplicated or mis
 
 from __future__ import annotations
 
-import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.ingress.routing.router import home
 from kvmesh.stack.servers import S3Server
 
-from ingress.serving_stack import ServingStack, own_nats
+from ingress.serving_stack import ServingStack, ingress_retries, key_homed_on, own_nats, stream_killing
 
 KEY = "sk-placement"
 PREFILLS = ["prefill-0", "prefill-1"]
@@ -29,9 +26,8 @@ LONG = 400  # tokens: long enough that a kill lands mid-stream
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
     with own_nats(tmp_path_factory.mktemp("decode-placement"), s3_server, tiny_model_dir, {KEY: "placement"},
-                  KVMESH_INGRESS__DECODE_PLACEMENT="priced", KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5") as s:
-        s.bucket = "kvmesh-decode-placement"
-        s3_server.ensure_bucket(s.bucket)
+                  bucket="kvmesh-decode-placement", KVMESH_INGRESS__DECODE_PLACEMENT="priced",
+                  KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5") as s:
         for worker in PREFILLS:
             s.start("prefill", worker)
         s.start("decode", "decode-0")
@@ -43,18 +39,9 @@ def _client(stack: ServingStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def _key_homed_on(target: str) -> str:
-    return next(k for k in (f"key-{i}" for i in range(1000)) if home(k, PREFILLS) == target)
-
-
-def _retries(stack: ServingStack) -> float:
-    match = re.search(r"^kvmesh_ingress_retries_total (\S+)$", stack.metrics(), re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def test_one_host_decodes_on_the_prefill_worker(stack: ServingStack) -> None:
     c = _client(stack)
-    key = _key_homed_on("prefill-1")
+    key = key_homed_on(PREFILLS, "prefill-1")
     history = [{"role": "user", "content": "Where does a request decode when every worker shares one box?"}]
 
     def turn(max_tokens: int):
@@ -76,7 +63,7 @@ def test_one_host_decodes_on_the_prefill_worker(stack: ServingStack) -> None:
 
 def test_prefill_worker_killed_while_decoding_migrates_exactly(stack: ServingStack) -> None:
     c = _client(stack)
-    key = _key_homed_on("prefill-0")
+    key = key_homed_on(PREFILLS, "prefill-0")
     for i in range(20):
         prompt = f"Write a very long story, number {i}, about the harbour:"
         raw = c.completions.with_raw_response.create(model=stack.model_dir.name, prompt=prompt, max_tokens=LONG,
@@ -87,19 +74,10 @@ def test_prefill_worker_killed_while_decoding_migrates_exactly(stack: ServingSta
     else:
         pytest.fail("no prompt generates LONG tokens without eos")
     assert "decode=prefill-0" in route
-    before = _retries(stack)
-    with c.completions.with_streaming_response.create(
-        model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0, stream=True,
-        extra_body={"prompt_cache_key": key},
-    ) as response:
-        assert "prefill=prefill-0;decode=prefill-0" in response.headers["kvmesh-route"]
-        parts: list[str] = []
-        finish = None
-        for i, chunk in enumerate(response.parse()):
-            parts.append(chunk.choices[0].text)
-            finish = chunk.choices[0].finish_reason or finish
-            if i == 2:
-                stack.signal("prefill-0", signal.SIGKILL)
-    assert "".join(parts) == ref.choices[0].text
+    before = ingress_retries(stack)
+    text, finish = stream_killing(stack, c, "prefill-0", "prefill=prefill-0;decode=prefill-0",
+                                  model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0,
+                                  extra_body={"prompt_cache_key": key})
+    assert text == ref.choices[0].text
     assert finish == "length"
-    assert _retries(stack) == before + 1
+    assert ingress_retries(stack) == before + 1

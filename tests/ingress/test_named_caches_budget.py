@@ -19,11 +19,10 @@ import openai
 import pytest
 from kvmesh.config import EngineSettings
 from kvmesh.eviction.l3_gc import scan
-from kvmesh.stack.servers import NatsServer, S3Server
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.s3_client import fast_fail_client
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, own_nats_and_s3
 
 KEYS = {"sk-pb-a": "pb-a", "sk-pb-b": "pb-b"}
 BLOCK = EngineSettings().block_size
@@ -37,24 +36,13 @@ SECOND = "You are the docs agent of the kvmesh repository. You keep every page h
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("pin-budgets")
-    nats, s3 = NatsServer(data_dir=root / "nats"), S3Server(data_dir=root / "s3")
-    s = None
-    try:
-        nats.start()
-        s3.start()
-        s = make_stack(root, nats, s3, tiny_model_dir, KEYS, KVMESH_TIERS__L3_TTL_S=str(DEFAULT_TTL),
-                       KVMESH_PINS__BLOCK_BYTES=str(BLOCK_BYTES),
-                       KVMESH_PINS__L3_TENANT_BYTES=str(CAP_BLOCKS * BLOCK_BYTES),
-                       KVMESH_EVICTION__GC_INTERVAL_S="3600")
+    with own_nats_and_s3(tmp_path_factory.mktemp("pin-budgets"), tiny_model_dir, KEYS,
+                         KVMESH_TIERS__L3_TTL_S=str(DEFAULT_TTL), KVMESH_PINS__BLOCK_BYTES=str(BLOCK_BYTES),
+                         KVMESH_PINS__L3_TENANT_BYTES=str(CAP_BLOCKS * BLOCK_BYTES),
+                         KVMESH_EVICTION__GC_INTERVAL_S="3600") as s:
         for service, worker in SERVICES:
             s.start_ready(service, worker)
         yield s
-    finally:
-        if s is not None:
-            s.stop()
-        nats.stop()
-        s3.stop()
 
 
 def _caches(stack: ServingStack, key: str) -> openai.OpenAI:

@@ -16,9 +16,8 @@ import httpx
 import openai
 import pytest
 from kvmesh.config import EngineSettings
-from kvmesh.stack.servers import NatsServer, S3Server
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, own_nats_and_s3
 
 KEYS = {"sk-nc-a": "nc-a", "sk-nc-b": "nc-b"}
 BLOCK = EngineSettings().block_size
@@ -28,20 +27,9 @@ SERVICES = (("prefill", "prefill-0"), ("decode", "decode-0"), ("ingress", "ingre
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("named-caches")
-    nats, s3 = NatsServer(data_dir=root / "nats"), S3Server(data_dir=root / "s3")
-    s = None
-    try:
-        nats.start()
-        s3.start()
-        s = make_stack(root, nats, s3, tiny_model_dir, KEYS)
+    with own_nats_and_s3(tmp_path_factory.mktemp("named-caches"), tiny_model_dir, KEYS) as s:
         start_services(s)
         yield s
-    finally:
-        if s is not None:
-            s.stop()
-        nats.stop()
-        s3.stop()
 
 
 def start_services(s: ServingStack) -> None:

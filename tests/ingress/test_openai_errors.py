@@ -6,16 +6,14 @@ JOBS' last sequence staying put proves that bad requests published nothing.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from kvmesh.stack.servers import NatsServer
 
-from ingress.serving_stack import ServingStack, job_count, make_stack
+from ingress.serving_stack import ServingStack, ingress_alone, no_job_published
 
 KEY, TENANT = "sk-test-errors", "acme"
 LIMITED_KEY = "sk-test-limited"
@@ -23,19 +21,10 @@ LIMITED_KEY = "sk-test-limited"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("ingress-errors")
-    nats = NatsServer(data_dir=root / "nats")  # its own bus: no worker of another module is live here
-    nats.start()
-    s = make_stack(root, nats, None, tiny_model_dir, {KEY: TENANT, LIMITED_KEY: "limited"},
-                   KVMESH_INGRESS__MAX_BODY_BYTES="65536", KVMESH_INGRESS__RATE_LIMIT_PER_S="0.5",
-                   KVMESH_INGRESS__RATE_LIMIT_BURST="40")
-    try:
-        s.start("ingress", "ingress-0")
-        s.wait_http("ingress-0")
+    with ingress_alone(tmp_path_factory.mktemp("ingress-errors"), tiny_model_dir,
+                       {KEY: TENANT, LIMITED_KEY: "limited"}, KVMESH_INGRESS__MAX_BODY_BYTES="65536",
+                       KVMESH_INGRESS__RATE_LIMIT_PER_S="0.5", KVMESH_INGRESS__RATE_LIMIT_BURST="40") as s:
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 @pytest.fixture
@@ -45,9 +34,8 @@ def client(stack: ServingStack) -> openai.OpenAI:
 
 @pytest.fixture
 def no_jobs(stack: ServingStack) -> Iterator[None]:
-    before = asyncio.run(job_count(stack.nats.url))
-    yield
-    assert asyncio.run(job_count(stack.nats.url)) == before, "a rejected request published a job"
+    with no_job_published(stack):
+        yield
 
 
 def model_id(stack: ServingStack) -> str:

@@ -9,19 +9,17 @@ the victim: the rendezvous home of a key is where its request goes.
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.ingress.routing.router import home
 from kvmesh.protocol import subjects
-from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.stack.servers import S3Server
 from waits import until_sync
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, ingress_retries, key_homed_on, own_nats, stream_killing
 
 KEY = "sk-faults"
 PREFILLS, DECODES = ["prefill-0", "prefill-1"], ["decode-0", "decode-1"]
@@ -31,14 +29,9 @@ LONG = 400  # tokens: long enough that a kill lands mid-stream
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("ingress-faults")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, s3_server, tiny_model_dir, {KEY: "faults"}, KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
-                   KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5")
-    s.bucket = "kvmesh-ingress-faults"
-    s3_server.ensure_bucket(s.bucket)
-    try:
+    with own_nats(tmp_path_factory.mktemp("ingress-faults"), s3_server, tiny_model_dir, {KEY: "faults"},
+                  bucket="kvmesh-ingress-faults", KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S="10",
+                  KVMESH_INGRESS__INTER_TOKEN_TIMEOUT_S="5") as s:
         for worker in PREFILLS:
             s.start("prefill", worker)
         for worker in DECODES:
@@ -46,9 +39,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_mo
         s.start_ready("ingress", "ingress-0")
         _wait_all_live(s)
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 def _wait_all_live(s: ServingStack) -> None:
@@ -96,16 +86,6 @@ def client(stack: ServingStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def key_homed_on(workers: list[str], target: str) -> str:
-    return next(k for k in (f"key-{i}" for i in range(1000)) if home(k, workers) == target)
-
-
-def retries(stack: ServingStack) -> float:
-    text = stack.metrics()
-    match = re.search(r"^kvmesh_ingress_retries_total (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def wait_routed_to(stack: ServingStack, key: str, route: str, timeout_s: float = 20.0) -> None:
     """Send small requests with affinity `key` until the ingress routes them as `route` says."""
     c = client(stack)
@@ -135,7 +115,7 @@ def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
     ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
     key = key_homed_on(PREFILLS, "prefill-0")
     wait_routed_to(stack, key, "prefill=prefill-0")
-    before = retries(stack)
+    before = ingress_retries(stack)
     stack.signal("prefill-0", signal.SIGSTOP)
     try:
         raw = c.completions.with_raw_response.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20,
@@ -145,7 +125,7 @@ def test_stalled_prefill_is_retried_elsewhere(stack: ServingStack) -> None:
     got = raw.parse()
     assert got.choices[0].text == ref.choices[0].text
     assert "prefill=prefill-1" in raw.headers["kvmesh-route"] and "attempts=2" in raw.headers["kvmesh-route"]
-    assert retries(stack) == before + 1
+    assert ingress_retries(stack) == before + 1
 
 
 def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack) -> None:
@@ -157,7 +137,7 @@ def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack)
     ref = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=20, temperature=0)
     key = key_homed_on(PREFILLS, "prefill-0")
     wait_routed_to(stack, key, "prefill=prefill-0")  # back in the ingress's table after the previous test's SIGSTOP
-    before = retries(stack)
+    before = ingress_retries(stack)
     stack.signal("prefill-0", signal.SIGSTOP)
     stored_before = _last_job_seq(stack, "prefill-0")
     result: dict[str, object] = {}
@@ -176,29 +156,18 @@ def test_prefill_killed_before_handoff_is_retried_elsewhere(stack: ServingStack)
     raw = result["raw"]
     assert raw.parse().choices[0].text == ref.choices[0].text  # type: ignore[attr-defined]
     assert "prefill=prefill-1" in raw.headers["kvmesh-route"]  # type: ignore[attr-defined]
-    assert retries(stack) == before + 1
+    assert ingress_retries(stack) == before + 1
 
 
 def test_decode_killed_mid_stream_migrates(stack: ServingStack) -> None:
     prompt, reference = long_prompt(stack)
     key = key_homed_on(DECODES, "decode-0")
-    before = retries(stack)
-    c = client(stack)
-    with c.completions.with_streaming_response.create(
-        model=stack.model_dir.name, prompt=prompt, max_tokens=LONG, temperature=0, stream=True,
-        extra_body={"prompt_cache_key": key},
-    ) as response:
-        assert "decode=decode-0" in response.headers["kvmesh-route"]
-        parts: list[str] = []
-        finish = None
-        for i, chunk in enumerate(response.parse()):
-            parts.append(chunk.choices[0].text)
-            finish = chunk.choices[0].finish_reason or finish
-            if i == 2:
-                stack.signal("decode-0", signal.SIGKILL)
-    assert "".join(parts) == reference
+    before = ingress_retries(stack)
+    text, finish = stream_killing(stack, client(stack), "decode-0", "decode=decode-0", model=stack.model_dir.name,
+                                  prompt=prompt, max_tokens=LONG, temperature=0, extra_body={"prompt_cache_key": key})
+    assert text == reference
     assert finish == "length"
-    assert retries(stack) == before + 1
+    assert ingress_retries(stack) == before + 1
 
 
 def test_request_that_cannot_finish_ends_with_an_error_event(stack: ServingStack) -> None:

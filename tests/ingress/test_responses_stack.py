@@ -9,7 +9,6 @@ in the input, and a stored response that outlives the ingress process.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from kvmesh.stack.servers import S3Server
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ingress.serving_stack import ServingStack, job_count, one_of_each
+from ingress.serving_stack import ServingStack, no_job_published, one_of_each
 
 KEYS = {"sk-resp-a": "resp-a", "sk-resp-b": "resp-b"}
 BLOCK = EngineSettings().block_size
@@ -44,9 +43,8 @@ def client(stack: ServingStack, key: str = "sk-resp-a") -> openai.OpenAI:
 
 @pytest.fixture
 def no_jobs(stack: ServingStack) -> Iterator[None]:
-    before = asyncio.run(job_count(stack.nats.url))
-    yield
-    assert asyncio.run(job_count(stack.nats.url)) == before, "a rejected request published a job"
+    with no_job_published(stack):
+        yield
 
 
 def create(stack: ServingStack, **kw: object) -> Response:

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.stack.servers import S3Server
 from scipy.stats import ks_2samp
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, one_of_each
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,18 +52,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server,
     """One prefill, one decode, one ingress on a NATS of their own (the ingress sees both tenants' requests
     on the same workers). Heartbeats get a long TTL: 250 back-to-back prefills on a busy 2-core box must not
     make a worker look gone."""
-    root = tmp_path_factory.mktemp("timing")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, s3_server, tiny_model_dir, KEYS, KVMESH_SERVICE__HEARTBEAT_TTL_S="30")
-    try:
-        s.start("prefill", "prefill-0")
-        s.start("decode", "decode-0")
-        s.start_ready("ingress", "ingress-0")
+    with one_of_each(tmp_path_factory.mktemp("timing"), s3_server, tiny_model_dir, KEYS,
+                     KVMESH_SERVICE__HEARTBEAT_TTL_S="30") as s:
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 def _client(stack: ServingStack, key: str) -> openai.OpenAI:

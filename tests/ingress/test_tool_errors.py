@@ -6,7 +6,6 @@ the JOBS stream's last sequence staying put proves no job was published.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,8 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from kvmesh.stack.servers import NatsServer
 
-from ingress.serving_stack import ServingStack, job_count, make_stack
+from ingress.serving_stack import ServingStack, ingress_alone, no_job_published
 
 KEY = "sk-tool-errors"
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -25,24 +23,14 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("tool-errors")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, None, tiny_model_dir, {KEY: "acme"})
-    try:
-        s.start("ingress", "ingress-0")
-        s.wait_http("ingress-0")
+    with ingress_alone(tmp_path_factory.mktemp("tool-errors"), tiny_model_dir, {KEY: "acme"}) as s:
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 @pytest.fixture
 def no_jobs(stack: ServingStack) -> Iterator[None]:
-    before = asyncio.run(job_count(stack.nats.url))
-    yield
-    assert asyncio.run(job_count(stack.nats.url)) == before, "a rejected request published a job"
+    with no_job_published(stack):
+        yield
 
 
 def chat(stack: ServingStack, **kw: Any) -> Any:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.stack.servers import S3Server
 
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, one_of_each
 
 KEY = "sk-hermes"
 TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {
@@ -26,18 +26,9 @@ TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("tool-parser")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, s3_server, tiny_model_dir, {KEY: "hermes"}, KVMESH_INGRESS__TOOL_PARSER="hermes")
-    try:
-        s.start("prefill", "prefill-0")
-        s.start("decode", "decode-0")
-        s.start_ready("ingress", "ingress-0")
+    with one_of_each(tmp_path_factory.mktemp("tool-parser"), s3_server, tiny_model_dir, {KEY: "hermes"},
+                     KVMESH_INGRESS__TOOL_PARSER="hermes") as s:
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 def test_hermes_calls_forced_and_parsed(stack: ServingStack) -> None:

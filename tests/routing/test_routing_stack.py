@@ -17,14 +17,14 @@ from pathlib import Path
 import nats
 import openai
 import pytest
-from ingress.serving_stack import ServingStack, make_stack
+from ingress.serving_stack import ServingStack, own_nats
 from kvmesh.cache_index.client import lookup_prefix
 from kvmesh.config import EngineSettings
 from kvmesh.ingress.admission.auth import KeyRing
 from kvmesh.net import free_port
 from kvmesh.protocol.block_hash import HashKeys, hash_blocks
 from kvmesh.service.watch import watch_workers
-from kvmesh.stack.servers import NatsServer, S3Server
+from kvmesh.stack.servers import S3Server
 from waits import until
 
 KEYS = {"sk-route": "route"}
@@ -35,11 +35,7 @@ PREFILLS = ("prefill-0", "prefill-1")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    root = tmp_path_factory.mktemp("routing-stack")
-    nats = NatsServer(data_dir=root / "nats")
-    nats.start()
-    s = make_stack(root, nats, s3_server, tiny_model_dir, KEYS)
-    try:
+    with own_nats(tmp_path_factory.mktemp("routing-stack"), s3_server, tiny_model_dir, KEYS) as s:
         ports = {w: s.start(svc, w) for svc, w in (("cache_index", "index-0"), ("prefill", "prefill-0"),
                                                   ("prefill", "prefill-1"), ("decode", "decode-0"))}
         for worker, port in ports.items():
@@ -54,9 +50,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_mo
             s.extra_env = base
         s.rr_url = f"http://127.0.0.1:{rr_port}"  # type: ignore[attr-defined]
         yield s
-    finally:
-        s.stop()
-        nats.stop()
 
 
 def client(base_url: str) -> openai.OpenAI:

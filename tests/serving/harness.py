@@ -4,7 +4,8 @@
 against the session NATS / S3 servers and a tiny model, waits until their
 /readyz answers, and stops every one of them by PID. `TokenCollector` does
 what the ingress does with a request's token events: subscribe before the
-job is published, drop seqs already delivered, buffer out-of-order ones.
+job is published, drop seqs already delivered, buffer out-of-order ones;
+`send` publishes a job in that order.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from bus.helpers import connected
+from bus.helpers import FAST_BUS, connected
+from kvmesh.bus.publish import Publisher
 from kvmesh.protocol import subjects
-from kvmesh.protocol.serving import PrefillJob, SamplingSpec, TokenEvent
+from kvmesh.protocol.serving import DecodeJob, PrefillJob, SamplingSpec, TokenEvent
 from kvmesh.stack.servers import ManagedProcess, spawn_process
 from nats.aio.client import Client as NATS
 
@@ -214,3 +216,30 @@ class TokenCollector:
     async def close(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+
+
+async def send(nc: NATS, subject: str, job: PrefillJob | DecodeJob) -> TokenCollector:
+    """Subscribe to the job's tokens, then publish it on `subject` (the ingress's order), under the
+    protocol's message id `request_id:attempt`."""
+    coll = await TokenCollector(job.request_id).subscribe(nc)
+    await Publisher(nc.jetstream(), FAST_BUS).publish(subject, job, msg_id=f"{job.request_id}:{job.attempt}")
+    return coll
+
+
+async def send_prefill(nc: NATS, prefill_worker: str, job: PrefillJob) -> TokenCollector:
+    return await send(nc, subjects.jobs_prefill(prefill_worker), job)
+
+
+async def later_request(nc: NATS, prefill_worker: str, decode_worker: str, max_tokens: int = 16) -> TokenEvent:
+    """Run a later request through `prefill_worker` -> `decode_worker` to its final event.
+
+    Each worker takes it after whatever was sent to it before, and it decodes `max_tokens` steps
+    (no eos): by its end, a shorter run started before it has sent all it ever will.
+    """
+    job = prefill_job(unique(), [11, 12, 13, 14, 15], decode_worker, max_tokens)
+    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=max_tokens, ignore_eos=True)})
+    later = await send_prefill(nc, prefill_worker, job)
+    final = await later.wait_final()
+    await later.close()
+    assert final.error is None and final.finish_reason == "length", final
+    return final

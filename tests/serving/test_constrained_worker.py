@@ -14,16 +14,16 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-from bus.helpers import FAST_BUS, connected
-from kvmesh.bus.publish import Publisher
+from bus.helpers import connected
 from kvmesh.protocol import subjects
 from kvmesh.protocol.serving import Constraint, DecodeJob, SamplingSpec, ToolSchema
 
 from .harness import (
     SALT_A,
-    TokenCollector,
     WorkerProcs,
     prefill_job,
+    send,
+    send_prefill,
     unique,
     worker_stack,
 )
@@ -63,9 +63,7 @@ async def test_constrained_call_through_prefill_and_decode(stack, nats_server, r
     job = prefill_job(unique(), prompt, dc, max_tokens=MAX_TOKENS)
     job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=MAX_TOKENS, constraint=CONSTRAINT)})
     async with connected(nats_server.url) as nc:
-        coll = await TokenCollector(job.request_id).subscribe(nc)
-        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(pf), job,
-                                                          msg_id=f"{job.request_id}:{job.attempt}")
+        coll = await send_prefill(nc, pf, job)
         final = await coll.wait_final()
     assert final.error is None and final.finish_reason == "stop"
     assert coll.ordered == expected
@@ -86,8 +84,7 @@ async def test_migrated_constrained_request_continues_the_grammar(stack, nats_se
                     sampling=SamplingSpec(max_tokens=MAX_TOKENS, constraint=CONSTRAINT), handles=[],
                     prompt_tokens=len(prompt), deadline=time.time() + 120)
     async with connected(nats_server.url) as nc:
-        coll = await TokenCollector(rid).subscribe(nc)
-        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_decode(dc), job, msg_id=f"{rid}:1")
+        coll = await send(nc, subjects.jobs_decode(dc), job)
         final = await asyncio.wait_for(coll.wait_final(), 120)
     assert final.finish_reason == "stop"
     assert [coll.tokens[s] for s in range(cut, len(expected))] == expected[cut:]

@@ -58,16 +58,22 @@ async def engine(tiny_loaded) -> AsyncIterator[EngineLoop]:
     loop.stop()
 
 
+def _compute(tiny_loaded, salt: bytes = b"", blocks: int | None = None):
+    """TEXT as a worker that computed it for tenant `salt` holds it: the prompt, the hashes of its first
+    `blocks` full blocks (all by default), and those blocks as the worker exports them."""
+    prompt = tiny_loaded.tokenizer.encode(TEXT)
+    src = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
+    src.generate([prompt], SamplingParams(max_tokens=1), tenant_salt=salt)
+    hashes = src.block_hashes(prompt, salt)[:blocks]
+    return prompt, hashes, src.export_blocks(hashes)
+
+
 @pytest.fixture(scope="module")
 def computed(tiny_loaded):
     """A prompt of more than 12 usable blocks, its hashes and its blocks as a worker that computed it exports them."""
-    prompt = tiny_loaded.tokenizer.encode(TEXT)
-    usable = (len(prompt) - 1) // BLOCK_SIZE
+    usable = (len(tiny_loaded.tokenizer.encode(TEXT)) - 1) // BLOCK_SIZE
     assert usable >= 12
-    src = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
-    src.generate([prompt], SamplingParams(max_tokens=1))
-    hashes = src.block_hashes(prompt)[:usable]
-    return prompt, hashes, src.export_blocks(hashes)
+    return _compute(tiny_loaded, blocks=usable)
 
 
 def _l3(s3_server, fp: str, chunk_blocks: int) -> L3Store:
@@ -170,10 +176,7 @@ async def test_prefill_reaches_the_named_worker_then_l3(tiny_loaded, nats_server
     settings = _settings(s3_server, bucket)
     fp = tiny_loaded.fingerprint
     salt = bytes.fromhex(SALT_A)
-    prompt = tiny_loaded.tokenizer.encode(TEXT)
-    src = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
-    src.generate([prompt], SamplingParams(max_tokens=1), tenant_salt=salt)
-    hashes = src.block_hashes(prompt, salt)
+    prompt, hashes, blocks = _compute(tiny_loaded, salt)
     usable = (len(prompt) - 1) // BLOCK_SIZE
     nc = await nats.connect(nats_server.url)
     owner = await WorkerTiers.start(settings, nc, "owner", fp, BLOCK_SIZE)
@@ -182,7 +185,7 @@ async def test_prefill_reaches_the_named_worker_then_l3(tiny_loaded, nats_server
     for loop in loops:
         loop.start()
     try:
-        handles, _ = owner.register(hashes, src.export_blocks(hashes), SALT_A)
+        handles, _ = owner.register(hashes, blocks, SALT_A)
         assert len(handles) == len(hashes)
         assert await owner.uploads.join(timeout_s=30)
 
@@ -212,11 +215,7 @@ async def test_a_ready_index_bounds_the_l3_gets_and_marks_known_chunks(tiny_load
     bucket = f"index-{uuid.uuid4().hex[:10]}"
     s3_server.ensure_bucket(bucket)
     fp = tiny_loaded.fingerprint
-    salt = bytes.fromhex(SALT_A)
-    prompt = tiny_loaded.tokenizer.encode(TEXT)
-    src = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
-    src.generate([prompt], SamplingParams(max_tokens=1), tenant_salt=salt)
-    hashes = src.block_hashes(prompt, salt)
+    prompt, hashes, blocks = _compute(tiny_loaded, bytes.fromhex(SALT_A))
     ns = namespace_for(SALT_A)
     index_settings = IndexSettings(flush_interval_s=0.01, snapshot_every_s=3600, snapshot_name=f"s-{bucket}")
     async with connected(fresh_nats_server.url, "index") as inc, connected(fresh_nats_server.url, "worker") as nc:
@@ -230,7 +229,7 @@ async def test_a_ready_index_bounds_the_l3_gets_and_marks_known_chunks(tiny_load
         loop.start()
         try:
             writer = L3Store(here.l3.client, bucket, fp, chunk_blocks=here.l3.chunk_blocks)  # another worker's
-            writer.put_chain(ns, [encode_kv_block(b, fp) for b in src.export_blocks(hashes)])
+            writer.put_chain(ns, [encode_kv_block(b, fp) for b in blocks])
             uploader.stored(hashes[:8], Tier.L3, tokens_per_block=BLOCK_SIZE)
             await uploader.flushed()
             await eventually(lambda: index.ready and index.state.index.lookup(

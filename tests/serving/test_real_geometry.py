@@ -14,17 +14,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from bus.helpers import FAST_BUS, connected
-from kvmesh.bus.publish import Publisher
+from bus.helpers import connected
 from kvmesh.config import EngineSettings
-from kvmesh.protocol import subjects
 from minio import Minio
 
 from .harness import (
     BLOCK_SIZE,
-    TokenCollector,
     WorkerProcs,
     prefill_job,
+    send_prefill,
     unique,
     worker_stack,
 )
@@ -63,13 +61,6 @@ def stack(nats_server, s3_server, llama3_8b_model_dir, tmp_path_factory) -> Iter
 
 
 
-async def _run(nc, prefill_worker: str, job) -> TokenCollector:
-    coll = await TokenCollector(job.request_id).subscribe(nc)
-    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(prefill_worker), job,
-                                                      msg_id=f"{job.request_id}:{job.attempt}")
-    return coll
-
-
 def _chunks_in_l3(s3_server) -> int:
     client = Minio(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, secure=False)
     return sum(1 for _ in client.list_objects(BUCKET, recursive=True))
@@ -80,13 +71,13 @@ async def test_two_turns_and_an_l3_restore_at_8b_geometry(stack, nats_server, s3
     salt = "e5" * 32
     p1 = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(8)).tolist()
     async with connected(nats_server.url) as nc:
-        c1 = await _run(nc, pf, prefill_job(unique(), p1, dc, max_tokens=12, salt=salt))
+        c1 = await send_prefill(nc, pf, prefill_job(unique(), p1, dc, max_tokens=12, salt=salt))
         f1 = await c1.wait_final(240)
         out1 = c1.ordered
         assert f1.error is None and out1 == _reference(loaded_8b, p1, 12)
 
         p2 = p1 + out1 + list(range(40, 80))
-        c2 = await _run(nc, pf, prefill_job(unique(), p2, dc, max_tokens=8, salt=salt))
+        c2 = await send_prefill(nc, pf, prefill_job(unique(), p2, dc, max_tokens=8, salt=salt))
         f2 = await c2.wait_final(240)
         assert c2.ordered == _reference(loaded_8b, p2, 8)
         assert f2.cached_tokens >= len(p1) // BLOCK_SIZE * BLOCK_SIZE
@@ -100,7 +91,7 @@ async def test_two_turns_and_an_l3_restore_at_8b_geometry(stack, nats_server, s3
         fresh = stack.start("prefill", unique("pf-8b-fresh-"), KVMESH_WORKERS__PROBE_PEERS="false")
         stack.wait_ready([fresh])
         p3 = p2 + list(range(90, 110))
-        c3 = await _run(nc, fresh.worker_id, prefill_job(unique(), p3, dc, max_tokens=6, salt=salt))
+        c3 = await send_prefill(nc, fresh.worker_id, prefill_job(unique(), p3, dc, max_tokens=6, salt=salt))
         f3 = await c3.wait_final(240)
         for c in (c1, c2, c3):
             await c.close()

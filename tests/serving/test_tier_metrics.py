@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .harness import (
     BLOCK_SIZE,
-    TokenCollector,
     WorkerProcs,
     prefill_job,
+    send_prefill,
     unique,
     worker_stack,
 )
@@ -69,9 +69,7 @@ def _delta(after: Scrape, before: Scrape, name: str, **labels: str) -> float:
 async def _serve(nc, stack: WorkerProcs, prompt: list[int]) -> list[int]:
     pf, dc = list(stack.procs)
     job = prefill_job(unique(), prompt, dc, max_tokens=MAX_TOKENS, salt=SALT)
-    coll = await TokenCollector(job.request_id).subscribe(nc)
-    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(pf), job,
-                                                      msg_id=f"{job.request_id}:{job.attempt}")
+    coll = await send_prefill(nc, pf, job)
     final = await coll.wait_final()
     await coll.close()
     assert final.error is None, final.error

@@ -14,7 +14,7 @@ import pytest
 from bus.helpers import FAST_BUS, connected
 from kvmesh.bus.publish import Publisher
 from kvmesh.protocol import subjects
-from kvmesh.protocol.serving import DecodeJob, SamplingSpec, TokenEvent
+from kvmesh.protocol.serving import DecodeJob, SamplingSpec
 from kvmesh.protocol.streams import JOBS
 from waits import WorkerWatch, taken, until
 
@@ -22,31 +22,25 @@ from .harness import (
     TokenCollector,
     WorkerProc,
     WorkerProcs,
-    declare_streams,
+    later_request,
     prefill_job,
     unique,
-    worker_env,
+    worker_stack,
 )
 
 pytestmark = pytest.mark.timeout(240)
 
 BUCKET = "kvmesh-serving-faults"
+WORKERS = (("prefill", "pf-a"), ("prefill", "pf-b"), ("decode", "dc-a"), ("decode", "dc-b"))  # (role, key)
 
 
 @pytest.fixture(scope="module")
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory) -> Iterator[dict[str, str]]:
-    declare_streams(nats_server.url)
-    s3_server.ensure_bucket(BUCKET)
-    state = tmp_path_factory.mktemp("serving-faults")
-    procs = WorkerProcs(worker_env(nats_server.url, s3_server, BUCKET, tiny_model_dir, state), state / "logs")
-    names = {}
-    try:
-        for role, key in (("prefill", "pf-a"), ("prefill", "pf-b"), ("decode", "dc-a"), ("decode", "dc-b")):
-            names[key] = procs.start(role, unique(key + "-")).worker_id
-        procs.wait_ready()
-        yield {**names, "procs": procs}
-    finally:
-        procs.stop_all()
+    """Each key of WORKERS -> its worker's id, and "procs"."""
+    with worker_stack(nats_server, s3_server, BUCKET, tiny_model_dir, tmp_path_factory.mktemp("serving-faults"),
+                      [(role, key + "-") for role, key in WORKERS]) as procs:
+        started = list(procs.procs)  # in the order of WORKERS
+        yield {**{key: worker_id for (_, key), worker_id in zip(WORKERS, started)}, "procs": procs}
 
 
 
@@ -60,23 +54,6 @@ def _jobs_taken(wp: WorkerProc) -> float:
     # One series per consumer, labelled with its filter subject: the worker's own queue and the shared one.
     series = r'^kvmesh_messages_(?:in_flight|handled_total)\{subject="kvmesh\.jobs\.prefill\.[^"]+"\} (\S+)$'
     return sum(float(v) for v in re.findall(series, text, re.MULTILINE))
-
-
-async def _later_request(nc, prefill_worker: str, decode_worker: str, max_tokens: int = 16) -> TokenEvent:
-    """Run a later request through `prefill_worker` -> `decode_worker` to its final event.
-
-    Each worker takes it after whatever was sent to it before, and it decodes `max_tokens` steps
-    (no eos): by its end, a shorter run started before it has sent all it ever will.
-    """
-    job = prefill_job(unique(), [11, 12, 13, 14, 15], decode_worker, max_tokens)
-    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=max_tokens, ignore_eos=True)})
-    later = await TokenCollector(job.request_id).subscribe(nc)
-    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(prefill_worker), job,
-                                                      msg_id=f"{job.request_id}:0")
-    final = await later.wait_final()
-    await later.close()
-    assert final.error is None and final.finish_reason == "length", final
-    return final
 
 
 async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(stack, nats_server, reference):
@@ -161,7 +138,7 @@ async def test_prefill_killed_while_working_duplicates_are_droppable(stack, nats
         await c.wait_final(60)
         # Late events of either attempt come from pf-a and dc-a: a later, longer request through them
         # is over after the last of those.
-        await _later_request(nc, stack["pf-a"], stack["dc-a"])
+        await later_request(nc, stack["pf-a"], stack["dc-a"])
         await taken(nc, c)
         await c.close()
     assert c.ordered == expected

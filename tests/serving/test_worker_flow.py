@@ -22,7 +22,6 @@ from kvmesh.protocol.serving import (
     CachePin,
     DecodeJob,
     SamplingSpec,
-    TokenEvent,
 )
 from kvmesh.serving.audit_status import read_audit_counts
 from kvmesh.serving.worker_tiers import namespace_for
@@ -34,7 +33,10 @@ from .harness import (
     SALT_B,
     TokenCollector,
     WorkerProcs,
+    later_request,
     prefill_job,
+    send,
+    send_prefill,
     unique,
     worker_stack,
 )
@@ -57,38 +59,15 @@ def _ids(stack: WorkerProcs) -> tuple[str, str, str]:
     return pf, dc0, dc1
 
 
-async def _run(nc, prefill_worker: str, job) -> TokenCollector:
-    """Subscribe to the request's tokens, then publish its job (the ingress's order)."""
-    coll = await TokenCollector(job.request_id).subscribe(nc)
-    await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_prefill(prefill_worker), job,
-                                                      msg_id=f"{job.request_id}:{job.attempt}")
-    return coll
-
-
 def _prompt(reference, text: str) -> list[int]:
     return reference.tokenizer.encode(text)
-
-
-async def _later_request(nc, prefill_worker: str, decode_worker: str, max_tokens: int = 16) -> TokenEvent:
-    """Run a later request through `prefill_worker` -> `decode_worker` to its final event.
-
-    Each worker takes it after whatever was sent to it before, and it decodes `max_tokens` steps
-    (no eos): by its end, a shorter run started before it has sent all it ever will.
-    """
-    job = prefill_job(unique(), [11, 12, 13, 14, 15], decode_worker, max_tokens)
-    job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=max_tokens, ignore_eos=True)})
-    later = await _run(nc, prefill_worker, job)
-    final = await later.wait_final()
-    await later.close()
-    assert final.error is None and final.finish_reason == "length", final
-    return final
 
 
 async def test_two_turns_hit_previous_answer_and_match_reference(stack, nats_server, reference):
     pf, dc0, dc1 = _ids(stack)
     p1 = _prompt(reference, "The system prompt says: be brief. User: tell me about the harbour at dawn, please. " * 2)
     async with connected(nats_server.url) as nc:
-        c1 = await _run(nc, pf, prefill_job(unique(), p1, dc0, max_tokens=24))
+        c1 = await send_prefill(nc, pf, prefill_job(unique(), p1, dc0, max_tokens=24))
         f1 = await c1.wait_final()
         out1 = c1.ordered
         assert f1.finish_reason in ("stop", "length") and f1.error is None
@@ -96,7 +75,7 @@ async def test_two_turns_hit_previous_answer_and_match_reference(stack, nats_ser
         assert f1.prompt_tokens == len(p1)
         # Turn 2 extends turn 1's prompt and answer; it goes to the other decode worker.
         p2 = p1 + out1 + _prompt(reference, " User: and at night?")
-        c2 = await _run(nc, pf, prefill_job(unique(), p2, dc1, max_tokens=16))
+        c2 = await send_prefill(nc, pf, prefill_job(unique(), p2, dc1, max_tokens=16))
         f2 = await c2.wait_final()
         assert c2.ordered == reference(p2, 16)
         computed_turn1 = len(p1) + len(out1) - 1  # the last sampled token never had its K/V computed
@@ -111,7 +90,8 @@ async def test_concurrent_requests_batch_in_decode_and_match_reference(stack, na
     prompts = [_prompt(reference, f"Request number {i} shares a decode batch with its neighbours. " * (1 + i % 3))
                for i in range(5)]
     async with connected(nats_server.url) as nc:
-        colls = [await _run(nc, pf, prefill_job(unique(), p, dc0, max_tokens=12 + i)) for i, p in enumerate(prompts)]
+        colls = [await send_prefill(nc, pf, prefill_job(unique(), p, dc0, max_tokens=12 + i))
+                 for i, p in enumerate(prompts)]
         finals = await asyncio.gather(*(c.wait_final() for c in colls))
         for c in colls:
             await c.close()
@@ -125,7 +105,7 @@ async def test_workers_publish_kv_events_for_the_cache_index(stack, nats_server,
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "Events tell the index which worker holds which block. " * 3)
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=8))
+        c = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=8))
         await c.wait_final()
         await c.close()
         js = nc.jetstream()
@@ -156,7 +136,7 @@ async def test_seeded_sampling_through_prefill_and_decode_matches_reference(stac
     spec = SamplingSpec(max_tokens=14, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True)
     job = prefill_job(unique(), prompt, dc0, 14).model_copy(update={"sampling": spec})
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, job)
+        c = await send_prefill(nc, pf, job)
         await c.wait_final()
         await c.close()
     assert c.ordered == reference(prompt, 14, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True)
@@ -166,7 +146,7 @@ async def test_first_token_can_finish_at_prefill(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "One token only, please.")
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1))
+        c = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1))
         final = await c.wait_final()
         assert len(c.events) == 1 and final.seq == 0 and final.finish_reason == "length"
         assert c.ordered == reference(prompt, 1)
@@ -186,7 +166,7 @@ async def test_redelivered_job_runs_once(stack, nats_server, reference):
         await c.wait_final()
         # A second run would show up as more events: a later, longer request through the same two
         # workers is over after anything such a run sent.
-        await _later_request(nc, pf, dc0)
+        await later_request(nc, pf, dc0)
         await taken(nc, c)
         assert c.dropped == 0
         assert sum(1 for e in c.events if e.finished) == 1
@@ -201,8 +181,7 @@ async def test_migration_without_reachable_blocks_recomputes(stack, nats_server,
     job = DecodeJob(request_id=rid, attempt=1, tenant="t", tenant_salt=SALT_B, prompt_ids=prompt, generated=full[:7],
                     sampling=SamplingSpec(max_tokens=20), handles=[], prompt_tokens=len(prompt), deadline=time.time() + 60)
     async with connected(nats_server.url) as nc:
-        c = await TokenCollector(rid).subscribe(nc)
-        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_decode(dc1), job, msg_id=f"{rid}:1")
+        c = await send(nc, subjects.jobs_decode(dc1), job)
         final = await c.wait_final()
         assert min(e.seq for e in c.events) == 7
         assert [c.tokens[s] for s in range(7, 20)] == full[7:]
@@ -220,8 +199,7 @@ async def test_migration_with_every_token_delivered_only_finishes(stack, nats_se
                     sampling=SamplingSpec(max_tokens=12), handles=[], prompt_tokens=len(prompt),
                     deadline=time.time() + 60)
     async with connected(nats_server.url) as nc:
-        c = await TokenCollector(rid).subscribe(nc)
-        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.jobs_decode(dc1), job, msg_id=f"{rid}:1")
+        c = await send(nc, subjects.jobs_decode(dc1), job)
         final = await c.wait_final()
         await c.close()
     assert len(full) == 12 and final.error is None and final.finish_reason == "length"
@@ -232,11 +210,11 @@ async def test_tenants_never_share_blocks(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     prompt = _prompt(reference, "Identical words from two tenants must never share one cached block. " * 2)
     async with connected(nats_server.url) as nc:
-        ca = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
+        ca = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
         fa = await ca.wait_final()
-        ca2 = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
+        ca2 = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_A))
         fa2 = await ca2.wait_final()
-        cb = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_B))
+        cb = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=4, salt=SALT_B))
         fb = await cb.wait_final()
     assert fa.cached_tokens == 0
     assert fa2.cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # the same tenant hits
@@ -251,8 +229,8 @@ async def test_named_cache_is_written_to_l3_and_reports_creation(stack, nats_ser
     prompt = _prompt(reference, "A long shared system prompt that a named cache keeps for a week. " * 3)
     pinned = len(prompt)
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1, salt=salt, prefill_only=True,
-                                       pins=[CachePin(num_tokens=pinned, ttl_s=7 * 24 * 3600.0)]))
+        c = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc0, max_tokens=1, salt=salt, prefill_only=True,
+                                                   pins=[CachePin(num_tokens=pinned, ttl_s=7 * 24 * 3600.0)]))
         final = await c.wait_final()
     assert final.finished and final.finish_reason == "stop" and final.token_ids == []
     assert final.cache_created_tokens == len(prompt) // BLOCK_SIZE * BLOCK_SIZE
@@ -270,15 +248,15 @@ async def test_named_cache_is_reached_from_l3_by_a_fresh_worker(stack, nats_serv
     prefix = _prompt(reference, "Durable instructions kept in object storage for a long time. " * 3)
     fresh = stack.start("prefill", unique("pf-l3-"), KVMESH_WORKERS__PROBE_PEERS="false")
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, list(stack.procs)[0], prefill_job(unique(), prefix, dc0, max_tokens=1, salt=salt,
-                                                             prefill_only=True,
-                                                             pins=[CachePin(num_tokens=len(prefix), ttl_s=3600.0)]))
+        pinning = prefill_job(unique(), prefix, dc0, max_tokens=1, salt=salt, prefill_only=True,
+                              pins=[CachePin(num_tokens=len(prefix), ttl_s=3600.0)])
+        c = await send_prefill(nc, list(stack.procs)[0], pinning)
         assert (await c.wait_final()).error is None
         stack.wait_ready([fresh])
         # Longer than the cached prefix by more than a block: its L3 chunk is found by a shorter key.
         prompt = prefix + _prompt(reference, " Question: what now, and after that, and then what else after it?")
         assert (len(prompt) - 1) // BLOCK_SIZE > len(prefix) // BLOCK_SIZE
-        c2 = await _run(nc, fresh.worker_id, prefill_job(unique(), prompt, dc0, max_tokens=6, salt=salt))
+        c2 = await send_prefill(nc, fresh.worker_id, prefill_job(unique(), prompt, dc0, max_tokens=6, salt=salt))
         final = await c2.wait_final()
     assert final.cached_tokens >= len(prefix) // BLOCK_SIZE * BLOCK_SIZE
     assert c2.events[0].worker_id == fresh.worker_id
@@ -296,14 +274,13 @@ async def test_decode_falls_back_to_l3_when_handles_do_not_resolve(stack, nats_s
     expected = reference(prompt, 8)
     rid = unique()
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, prefill_job(unique(), prompt, dc1, max_tokens=1, salt=salt, prefill_only=True,
-                                           pins=[CachePin(num_tokens=len(prompt), ttl_s=600.0)]))
+        c = await send_prefill(nc, pf, prefill_job(unique(), prompt, dc1, max_tokens=1, salt=salt, prefill_only=True,
+                                                   pins=[CachePin(num_tokens=len(prompt), ttl_s=600.0)]))
         assert (await c.wait_final()).error is None  # the chain is in L3 now
         job = DecodeJob(request_id=rid, tenant="t", tenant_salt=salt, prompt_ids=prompt, generated=expected[:1],
                         sampling=SamplingSpec(max_tokens=8), handles=handles, prompt_tokens=len(prompt),
                         deadline=time.time() + 60)
-        d = await TokenCollector(rid).subscribe(nc)
-        await Publisher(nc.jetstream(), FAST_BUS).publish(subjects.handoff(dc1), job, msg_id=f"{rid}:0")
+        d = await send(nc, subjects.handoff(dc1), job)
         await d.wait_final()
     assert [d.tokens[i] for i in range(1, 8)] == expected[1:]
 
@@ -317,7 +294,7 @@ async def test_decode_falls_back_to_l3_when_handles_do_not_resolve(stack, nats_s
 async def test_deadline_passed_is_an_error_event(stack, nats_server, reference):
     pf, dc0, _ = _ids(stack)
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, prefill_job(unique(), [5, 6, 7], dc0, max_tokens=4, deadline_s=-1.0))
+        c = await send_prefill(nc, pf, prefill_job(unique(), [5, 6, 7], dc0, max_tokens=4, deadline_s=-1.0))
         final = await c.wait_final()
     assert final.finish_reason == "error" and final.retriable and final.token_ids == []
 
@@ -332,7 +309,7 @@ async def test_cache_audit_counts_hits_without_mismatch(stack, nats_server, refe
     prompt = _prompt(reference, "Audit me: the cold recompute must give the same tokens as the cached path. " * 2)
     async with connected(nats_server.url) as nc:
         for worker in (dc0, dc1, dc0):  # every one reuses KV (handed-off blocks, then prefill hits)
-            c = await _run(nc, pf, prefill_job(unique(), prompt, worker, max_tokens=10))
+            c = await send_prefill(nc, pf, prefill_job(unique(), prompt, worker, max_tokens=10))
             await c.wait_final()
             await c.close()
     await until(lambda: audited() >= before + 3, 60, "three more cache audits", poll_s=0.3)
@@ -349,15 +326,15 @@ async def test_abort_stops_the_stream_without_a_final_event(stack, nats_server, 
     job = prefill_job(unique(), prompt, dc0, max_tokens=400)
     job = job.model_copy(update={"sampling": SamplingSpec(max_tokens=400, ignore_eos=True)})
     async with connected(nats_server.url) as nc:
-        c = await _run(nc, pf, job)
+        c = await send_prefill(nc, pf, job)
         await until(lambda: len(c.ordered) >= 4, 60, "the first tokens of the request", poll_s=0.01)
         await nc.publish(subjects.abort(dc0), AbortRequest(request_id=job.request_id).to_bytes())
         # A later request through dc0 (which took the abort first) is over after every event sent
         # before the abort took hold; while a second one decodes, a request still running would stream on.
-        await _later_request(nc, pf, dc0)
+        await later_request(nc, pf, dc0)
         await taken(nc, c)
         stopped = len(c.events)
-        await _later_request(nc, pf, dc0)
+        await later_request(nc, pf, dc0)
         await taken(nc, c)
         assert len(c.events) == stopped, "the aborted request went on streaming"
         assert c.final is None, "a final event came although the request was aborted"

@@ -60,6 +60,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _tier_holding(chain, worker: str) -> HostTier:
+    """A 1 GiB host tier of `worker` holding every block of `chain`."""
+    tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, worker)
+    for b in chain:
+        tier.put_block(b)
+    return tier
+
+
 async def test_fetch_many_from_another_process(nats_server) -> None:
     worker = f"owner-{os.getpid()}"
     ctx = mp.get_context("spawn")
@@ -101,9 +109,7 @@ async def test_fetch_many_from_another_process(nats_server) -> None:
 async def test_a_peer_that_stops_sending_ends_in_misses_and_keeps_what_arrived(nats_server) -> None:
     """A responder that sends the first message (block 0) and then nothing: the fetch still returns."""
     chain = make_chain(3, seed=1, shape=(2, 2, 16, 4, 64))
-    tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, "src")
-    for b in chain:
-        tier.put_block(b)
+    tier = _tier_holding(chain, "src")
     views = [tier.get_encoded(b.block_hash) for b in chain]
     nc = await nats.connect(nats_server.url)
 
@@ -131,9 +137,7 @@ async def test_a_peer_that_stops_sending_ends_in_misses_and_keeps_what_arrived(n
 async def test_a_window_smaller_than_the_chain_moves_it_on_credits(nats_server, use_wire: bool) -> None:
     """Window of one message: every further message waits for the client's credit (on both links)."""
     chain = make_chain(12, seed=2, shape=(2, 2, 16, 4, 64))  # 32 KiB blocks
-    tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, "windowed")
-    for b in chain:
-        tier.put_block(b)
+    tier = _tier_holding(chain, "windowed")
     nc = await nats.connect(nats_server.url)
     server = NatsPeerServer(nc, tier, "windowed", chunk_bytes=20_000, max_window_bytes=20_000, use_wire=use_wire)
     client = NatsPeerClient(nc, FINGERPRINT, MissCounters(), timeout_s=5.0, window_bytes=1, use_wire=use_wire)
@@ -204,9 +208,7 @@ def test_a_piece_that_does_not_fit_the_request_is_refused() -> None:
 async def test_a_broken_wire_ends_the_transfer_at_once(fresh_nats_server) -> None:
     """The data connection drops mid-transfer (the server stops): misses now, not after the timeout."""
     chain = make_chain(3, seed=3, shape=(2, 2, 16, 4, 64))
-    tier = HostTier(1 << 30, LRUPolicy(), FINGERPRINT, "src")
-    for b in chain:
-        tier.put_block(b)
+    tier = _tier_holding(chain, "src")
     views = [tier.get_encoded(b.block_hash) for b in chain]
     closed = asyncio.Event()
 
