@@ -132,6 +132,9 @@ class WorkerSettings(BaseModel):
     l3_wait_s: float = 30.0  # a named cache (prefill_only) waits this long for its L3 write
     remember_finished: int = 4096  # (request, attempt) pairs kept to ack redeliveries without re-running
     resolve_inflight: int = Field(default=3, ge=1)  # KV windows (an L3 chunk / a peer batch) fetched at once per request
+    # prefill restores from a tier only while that beats recomputing here (shared/serving/restore_gate.py);
+    # False: every tier is asked whatever it costs (tests and benchmarks of the restore paths themselves)
+    restore_gate: bool = True
 
 
 class SessionRetentionSettings(BaseModel):

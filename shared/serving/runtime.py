@@ -68,7 +68,7 @@ class WorkerRuntime:
         sessions = SessionFeed(engine, policy) if isinstance(policy, SessionAware) else None
         if sessions is not None:
             await sessions.start(ctx.js)
-        gate = RestoreGate.create(s.engine.block_size, ctx.metrics.registry)
+        gate = RestoreGate.create(s.engine.block_size, ctx.metrics.registry) if s.workers.restore_gate else None
         rt = cls(loaded, engine, tiers, peers, events, sessions, metrics, gate)
         ctx.ready_check = lambda: engine.alive
         ctx.load = lambda: float(engine.active)
