@@ -143,7 +143,7 @@ class ConsumerLoop:
             stopping.cancel()
 
     async def _fetch_until_stopped(self, sub: JetStreamContext.PullSubscription, stopping: asyncio.Future) -> None:
-        batch = max(1, self.settings.fetch_batch)
+        batch = max(1, self.spec.max_handlers or self.settings.fetch_batch)
         poll = self.settings.worker_fetch_timeout_s if self.spec.per_worker else self.settings.fetch_timeout_s
         while not self._stopping.is_set():
             free = batch - len(self._inflight)

@@ -90,6 +90,10 @@ class ConsumerSpec:
     # when the worker drains. Only for work-queue streams, where a deleted consumer loses nothing: the
     # messages stay in the stream for the next consumer of that subject (the same worker id, restarted).
     per_worker: bool = False
+    # Handlers run at once (and so messages pulled ahead); None: the bus's `fetch_batch`. A worker's job
+    # consumers take its engine's sequence budget: a request decoded on its prefill worker holds its
+    # handler until the last token, and 16 at once would queue the 17th outside the engine.
+    max_handlers: int | None = None
 
     def config(self, inactive_threshold_s: float | None = None) -> api.ConsumerConfig:
         """The server config; `inactive_threshold_s` (per-worker consumers only) is set from the bus settings."""

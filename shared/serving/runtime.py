@@ -32,8 +32,9 @@ from kvmesh.serving.worker_tiers import WorkerTiers
 _HANDLER_TIMEOUT_S = 3600.0
 
 
-def job_consumer(spec: ConsumerSpec) -> ConsumerSpec:
-    return replace(spec, handler_timeout_s=_HANDLER_TIMEOUT_S)
+def job_consumer(spec: ConsumerSpec, max_handlers: int | None = None) -> ConsumerSpec:
+    """`spec` for a worker's jobs: as many handlers at once as its engine runs sequences (`max_handlers`)."""
+    return replace(spec, handler_timeout_s=_HANDLER_TIMEOUT_S, max_handlers=max_handlers)
 
 
 @dataclass

@@ -82,7 +82,7 @@ async def setup_prefill(ctx: ServiceContext) -> None:
     # an attempt-scoped abort stops a request that decoded here and was migrated away
     await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id, a.attempt))
     for spec in (*own_job_consumers(Role.PREFILL, ctx.worker_id), PREFILL_ANY):
-        ctx.add_consumer(job_consumer(spec), handler)
+        ctx.add_consumer(job_consumer(spec, ctx.settings.engine.max_num_seqs), handler)
 
 
 async def setup_decode(ctx: ServiceContext) -> None:
@@ -94,4 +94,4 @@ async def setup_decode(ctx: ServiceContext) -> None:
     handler = typed(DecodeJob, worker.handle)
     await listen_for_aborts(ctx, lambda a: worker.abort(a.request_id, a.attempt))
     for spec in (*own_job_consumers(Role.DECODE, ctx.worker_id), HANDOFF_ANY, DECODE_ANY):
-        ctx.add_consumer(job_consumer(spec), handler)
+        ctx.add_consumer(job_consumer(spec, ctx.settings.engine.max_num_seqs), handler)

@@ -242,3 +242,29 @@ async def test_request_id_travels_with_the_message(nats_server):
         await asyncio.wait_for(task, 5)
     assert seen[0]["request_id"] == "req-42" and seen[0]["session_id"] == "sess-1"
     assert seen[0]["subject"] == spec.filter_subject
+
+
+async def test_max_handlers_runs_that_many_at_once(nats_server):
+    """A job consumer holds a handler per request until its last token: it runs `max_handlers` at once, not the
+    bus's `fetch_batch` (4 here), so the 5th job starts while the first four still run."""
+    worker = unique("w")
+    spec = ConsumerSpec(JOBS.name, f"prefill-{worker}", subjects.jobs_prefill(worker), max_handlers=10)
+    running: set[bytes] = set()
+    release = asyncio.Event()
+
+    async def hold(msg: Msg) -> None:
+        running.add(msg.data)
+        await release.wait()
+
+    async with connected(nats_server.url) as nc:
+        loop = _loop(nc, spec, hold)
+        task = asyncio.create_task(loop.run())
+        publisher = Publisher(nc.jetstream(), FAST_BUS)
+        for i in range(10):
+            await publisher.publish(spec.filter_subject, f"job-{i}".encode(), msg_id=unique())
+        await eventually(lambda: len(running) == 10, 10, "all ten jobs running at once")
+        release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+        info = await nc.jetstream().consumer_info(JOBS.name, spec.durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
