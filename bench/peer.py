@@ -6,7 +6,8 @@ requests (bench/peer_workloads.py), driven by the same client code (bench/peer_d
 at once: vLLM first (started by PID from `--peer-python`, a venv made by bench/make_peer_venv.sh), then
 the kvmesh stack through `kvmesh up`, each fresh, each on the whole box. vLLM gets `--threads` torch
 threads (OMP_NUM_THREADS); kvmesh's prefill and decode processes use torch's default, one thread per core
-each (they share the cores). Both are written into the JSON.
+each (they share the cores). `kvmesh up` decodes each request on its prefill worker (one box: a handoff
+frees no compute), so decode-0 takes a request only if prefill-0 fails. Both are written into the JSON.
 
 Out: one JSON object (per workload, per system: TTFT p50/p90/p99/mean, requests/s, decode tok/s,
 cached/prompt, errors; then kvmesh/vLLM ratios, above 1 meaning kvmesh is slower), the kvmesh
@@ -220,7 +221,8 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
                     "compute": {"cpus": os.cpu_count(), "vllm_torch_threads": cfg.threads,
                                 "vllm_thread_log": vllm_threads,
                                 "kvmesh": f"prefill-0 and decode-0, torch default threads each ({torch.get_num_threads()} "
-                                          "here), sharing the same cores"},
+                                          "here), sharing the same cores; requests decode on prefill-0 "
+                                          "(kvmesh up's decode_placement=priced on one host)"},
                     "vllm_version": peer_version(cfg.peer_python), "workloads": {}, "kvmesh_breakdown": parts}
     for name in runs["vllm"]:
         if name.startswith("long_"):  # one request each
