@@ -89,6 +89,9 @@ class ServingStack:
             KVMESH_SERVICE__HEARTBEAT_TTL_S="2",
             KVMESH_ENGINE__NUM_BLOCKS="512",
             KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
+            # The tiny model computes a block faster than any tier restores one, so the restore gate would
+            # turn the restores these tests check into recomputes (tests/serving/test_restore_gate.py tests it).
+            KVMESH_WORKERS__RESTORE_GATE="false",
             KVMESH_API_KEYS=",".join(f"{k}:{t}" for k, t in self.api_keys.items()),
             KVMESH_INGRESS_SECRET=self.secret,
             KVMESH_INGRESS__PORT=str(self.ingress_port),

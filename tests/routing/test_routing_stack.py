@@ -35,9 +35,7 @@ PREFILLS = ("prefill-0", "prefill-1")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_model_dir: Path
           ) -> Iterator[ServingStack]:
-    # every restore path is asked: the tiny model recomputes faster than its peers and L3 restore
-    with own_nats(tmp_path_factory.mktemp("routing-stack"), s3_server, tiny_model_dir, KEYS,
-                  KVMESH_WORKERS__RESTORE_GATE="false") as s:
+    with own_nats(tmp_path_factory.mktemp("routing-stack"), s3_server, tiny_model_dir, KEYS) as s:
         ports = {w: s.start(svc, w) for svc, w in (("cache_index", "index-0"), ("prefill", "prefill-0"),
                                                   ("prefill", "prefill-1"), ("decode", "decode-0"))}
         for worker, port in ports.items():

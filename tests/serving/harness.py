@@ -126,6 +126,7 @@ def worker_env(nats_url: str, s3, bucket: str, model_dir: Path, state_dir: Path,
         KVMESH_ENGINE__BLOCK_SIZE=str(BLOCK_SIZE),
         KVMESH_ENGINE__NUM_BLOCKS="512",
         KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 2**20),
+        KVMESH_WORKERS__RESTORE_GATE="false",  # as in tests/ingress/serving_stack.py: the restores are what is tested
         KVMESH_BUS__FETCH_TIMEOUT_S="0.5",
         KVMESH_BUS__NAK_DELAY_S="0.2",
         KVMESH_AUDIT_RATE=str(audit_rate),
