@@ -68,6 +68,7 @@ class Fetched:
     hashes: list[bytes] = field(default_factory=list)
     sources: Counter = field(default_factory=Counter)  # Tier -> blocks imported from there
     restore_s: dict = field(default_factory=dict)  # Tier -> seconds from the start until its last block was in
+    fetch_s: Counter = field(default_factory=Counter)  # Tier -> seconds its sources took to return blocks (no import)
 
 
 async def cached_run(engine: EngineLoop, prompt_ids: Sequence[int], salt: bytes, limit: int | None,
@@ -108,7 +109,7 @@ async def fetch_chain(engine: EngineLoop, hashes: Sequence[bytes], start: int, s
     def launch(k: int) -> None:
         if k < len(windows):
             nxt = windows[k + 1].prev_full if k + 1 < len(windows) else None
-            tasks.append(asyncio.ensure_future(_fill(hashes, windows[k], sources, nxt)))
+            tasks.append(asyncio.ensure_future(_fill(hashes, windows[k], sources, nxt, out.fetch_s)))
 
     try:
         for k in range(min(inflight, len(windows))):
@@ -154,15 +155,18 @@ def _windows(start: int, stop: int, size: int) -> list[Window]:
 
 
 async def _fill(hashes: Sequence[bytes], w: Window, sources: Sequence[Source],
-                nxt: asyncio.Future[bool] | None) -> list[tuple[Tier, list[KVBlock]]]:
-    """(tier, run) pieces covering w from its start up to the first block no source has."""
+                nxt: asyncio.Future[bool] | None, fetch_s: Counter) -> list[tuple[Tier, list[KVBlock]]]:
+    """(tier, run) pieces covering w from its start up to the first block no source has; the seconds each
+    tier took to return its run are added to `fetch_s` (what a restore costs before the import)."""
     parts: list[tuple[Tier, list[KVBlock]]] = []
     pos = w.start
     try:
         while pos < w.stop:
             for source in sources:
+                t0 = time.perf_counter()
                 run = (await source.fetch(hashes, pos, w))[: w.stop - pos]
                 if run:
+                    fetch_s[source.tier] += time.perf_counter() - t0
                     parts.append((source.tier, run))
                     pos += len(run)
                     break

@@ -90,7 +90,7 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     fetched = await fetch_chain(engine, hashes, l1, usable, sources, tenant_salt=salt, lease=lease,
                                 window_blocks=window, inflight=inflight)
     if gate is not None:
-        gate.observe_restore(fetched.sources, fetched.restore_s)
+        gate.observe_restore(fetched.sources, fetched.fetch_s)
     reach.imported = len(fetched.hashes)
     reach.sources.update(fetched.sources)
     reach.restore_s = fetched.restore_s

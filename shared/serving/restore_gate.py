@@ -1,8 +1,9 @@
 """Restore a tier's blocks only when that beats recomputing them, at this worker's measured rates.
 
 Each resolved chain teaches the gate how many seconds a block took to come
-from each tier (the time until that tier's last block was in the pool, over
-its blocks), and each prefill how many seconds a prompt token took to compute
+from each tier (the time its sources took to return the blocks, over the
+blocks; not the import into the pool, which waits for the engine's step
+and which a recompute pays too), and each prefill how many seconds a prompt token took to compute
 here (the engine's time to the first token over the uncached tokens, its
 queue included: what a request feels). Both are EWMAs. A tier slower per
 block than recomputing a block is left out of the next restores, so its
@@ -48,7 +49,7 @@ class RestoreGate:
         return cls(block_size, choices=choices)
 
     def observe_restore(self, blocks: Mapping[Tier, int], seconds: Mapping[Tier, float]) -> None:
-        """One resolved chain: blocks imported per tier, and seconds until each tier's last one was in."""
+        """One resolved chain: blocks imported per tier, and the seconds each tier's sources took to return them."""
         for tier, s in seconds.items():
             if (n := blocks.get(tier, 0)) > 0 and tier in _LABELS:
                 self._restore_s_per_block[tier] = _ewma(self._restore_s_per_block.get(tier), s / n, self.alpha)
