@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from kvmesh.stack.servers import S3Server
+from waits import until_sync
 
 from ingress.serving_stack import ServingStack, ingress_retries, key_homed_on, own_nats, stream_killing
 
@@ -32,6 +33,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, tiny_mo
             s.start("prefill", worker)
         s.start("decode", "decode-0")
         s.start_ready("ingress", "ingress-0")
+        c = _client(s)
+        for worker in PREFILLS:  # ready needs one live prefill worker: wait until the ingress routes to each
+
+            def routed(key: str = key_homed_on(PREFILLS, worker), worker: str = worker) -> bool:
+                raw = c.completions.with_raw_response.create(model=s.model_dir.name, prompt="ping", max_tokens=1,
+                                                             extra_body={"prompt_cache_key": key})
+                return f"prefill={worker}" in raw.headers["kvmesh-route"]
+
+            until_sync(routed, 60, f"requests homed on {worker} routed there", poll_s=0.3)
         yield s
 
 
