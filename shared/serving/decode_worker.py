@@ -49,7 +49,7 @@ from kvmesh.serving.kv_fetch import (
     fetch_chain,
 )
 from kvmesh.serving.kv_store import store_chain
-from kvmesh.serving.ledger import JobLedger, run_once
+from kvmesh.serving.ledger import JobLedger, run_once, stop_here
 from kvmesh.serving.runtime import WorkerRuntime
 from kvmesh.serving.token_stream import TokenStream
 from kvmesh.serving.worker_tiers import namespace_for
@@ -146,15 +146,8 @@ class DecodeWorker:
         return len(handles)
 
     def abort(self, request_id: str, attempt: int | None = None) -> None:
-        """Stop the request here and publish nothing more for it: every attempt (`attempt` None: the client
-        went away), or `attempt` and older ones (a migration replaced them; a newer one may still come)."""
-        if attempt is None:
-            self.ledger.abort(request_id)
-        else:
-            self.ledger.fence(request_id, attempt)
-        running = self._engine_ids.get(request_id)
-        if running is not None and (attempt is None or running[0] <= attempt):
-            self.rt.engine.abort(running[1])  # the engine frees its blocks at the next step
+        """Stop the request here (every attempt, or `attempt` and older ones): shared/serving/ledger.stop_here."""
+        stop_here(self.ledger, self._engine_ids, self.rt.engine.abort, request_id, attempt)
 
     def _stopped(self, job: DecodeJob, produced: int = 0) -> None:
         why = ("aborted" if self.ledger.aborted(job.request_id)

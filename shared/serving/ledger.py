@@ -12,6 +12,7 @@ attempt-scoped abort fences the attempts it names (`fence`, `stale`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -96,6 +97,21 @@ class JobLedger:
     @property
     def running(self) -> int:
         return len(self._running)
+
+
+def stop_here(ledger: JobLedger, running: dict[str, tuple[int, str]], abort_engine: Callable[[str], None],
+              request_id: str, attempt: int | None) -> None:
+    """An AbortRequest at this worker: every attempt (`attempt` None: the client went away) or `attempt` and
+    older ones (a migration replaced them; a newer one may still come) publish nothing more, and the run
+    here, if `running` (request id -> (attempt, engine id)) names one of them, is aborted in the engine
+    (which frees its blocks at the next step)."""
+    if attempt is None:
+        ledger.abort(request_id)
+    else:
+        ledger.fence(request_id, attempt)
+    run = running.get(request_id)
+    if run is not None and (attempt is None or run[0] <= attempt):
+        abort_engine(run[1])
 
 
 async def run_once(ledger: JobLedger, request_id: str, attempt: int, work) -> bool:

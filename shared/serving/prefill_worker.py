@@ -36,7 +36,7 @@ from kvmesh.protocol import subjects
 from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 from kvmesh.serving.engine_loop import RequestSpec
 from kvmesh.serving.kv_store import store_chain
-from kvmesh.serving.ledger import JobLedger, run_once
+from kvmesh.serving.ledger import JobLedger, run_once, stop_here
 from kvmesh.serving.pinning import L2Pins, apply_pins, cache_created
 from kvmesh.serving.prefix_reach import Reach, reach_prefix
 from kvmesh.serving.runtime import WorkerRuntime
@@ -65,15 +65,8 @@ class PrefillWorker:
         await run_once(self.ledger, job.request_id, job.attempt, lambda: self._run(job))
 
     def abort(self, request_id: str, attempt: int | None = None) -> None:
-        """Stop the request here and publish nothing more for it: every attempt (`attempt` None: the client
-        went away), or `attempt` and older ones (a migration moved a request decoding here elsewhere)."""
-        if attempt is None:
-            self.ledger.abort(request_id)
-        else:
-            self.ledger.fence(request_id, attempt)
-        running = self._engine_ids.get(request_id)
-        if running is not None and (attempt is None or running[0] <= attempt):
-            self.rt.engine.abort(running[1])
+        """Stop the request here (every attempt, or `attempt` and older ones): shared/serving/ledger.stop_here."""
+        stop_here(self.ledger, self._engine_ids, self.rt.engine.abort, request_id, attempt)
 
     def _event(self, job: PrefillJob, **kw) -> TokenEvent:
         return TokenEvent(request_id=job.request_id, attempt=job.attempt, seq=0, prompt_tokens=len(job.prompt_ids),
