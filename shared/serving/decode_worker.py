@@ -48,7 +48,7 @@ from kvmesh.serving.kv_fetch import (
     cached_run,
     fetch_chain,
 )
-from kvmesh.serving.kv_store import store_chain
+from kvmesh.serving.kv_store import store_tokens
 from kvmesh.serving.ledger import JobLedger, run_once, stop_here
 from kvmesh.serving.runtime import WorkerRuntime
 from kvmesh.serving.token_stream import TokenStream
@@ -141,9 +141,7 @@ class DecodeWorker:
 
     async def _register(self, token_ids: list[int], salt: bytes, tenant_salt: str, session_id: str | None) -> int:
         """Full blocks of prompt + output into L2 (+ L3 queue); how many the chain has there now."""
-        hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
-        handles, _ = await store_chain(self.rt.engine, self.rt.tiers, hashes, tenant_salt, session_id=session_id)
-        return len(handles)
+        return len(await store_tokens(self.rt.engine, self.rt.tiers, token_ids, salt, tenant_salt, session_id))
 
     def abort(self, request_id: str, attempt: int | None = None) -> None:
         """Stop the request here (every attempt, or `attempt` and older ones): shared/serving/ledger.stop_here."""

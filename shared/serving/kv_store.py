@@ -42,3 +42,11 @@ async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[b
         if len(exported) < len(part):
             break
     return tiers.register(hashes, [], tenant_salt, session_id)
+
+
+async def store_tokens(engine: EngineLoop, tiers: WorkerTiers, token_ids: Sequence[int], salt: bytes,
+                       tenant_salt: str, session_id: str | None = None) -> list[BlockHandle]:
+    """`store_chain` the full blocks of `token_ids` (prompt + output: the next turn's prefix); the handles L2 holds."""
+    hashes = await engine.call(lambda e: e.block_hashes(list(token_ids), salt))
+    handles, _ = await store_chain(engine, tiers, hashes, tenant_salt, session_id=session_id)
+    return handles

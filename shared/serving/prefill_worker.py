@@ -35,7 +35,7 @@ from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
 from kvmesh.serving.engine_loop import RequestSpec
-from kvmesh.serving.kv_store import store_chain
+from kvmesh.serving.kv_store import store_chain, store_tokens
 from kvmesh.serving.ledger import JobLedger, run_once, stop_here
 from kvmesh.serving.pinning import L2Pins, apply_pins, cache_created
 from kvmesh.serving.prefix_reach import Reach, reach_prefix
@@ -241,9 +241,8 @@ class PrefillWorker:
 
     async def _store_output(self, job: PrefillJob, output_ids: list[int], salt: bytes) -> None:
         """Full blocks of prompt + output into L2 (+ L3 queue): the next turn's prefix."""
-        token_ids = job.prompt_ids + output_ids
-        hashes = await self.rt.engine.call(lambda e: e.block_hashes(token_ids, salt))
-        await store_chain(self.rt.engine, self.rt.tiers, hashes, job.tenant_salt, session_id=job.session_id)
+        await store_tokens(self.rt.engine, self.rt.tiers, job.prompt_ids + output_ids, salt, job.tenant_salt,
+                           job.session_id)
 
     async def _named_cache(self, job: PrefillJob, chain: list, cached: int, created: int) -> None:
         ttl = max((p.ttl_s for p in job.pins), default=self.rt.tiers.l3.ttl_s if self.rt.tiers.l3 else 0.0)
