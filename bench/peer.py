@@ -197,7 +197,7 @@ def _vllm_threads(log: Path) -> str:
 
 
 def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
-    from kvmesh.bench.serve import KEY, ServeBenchConfig, running_stack
+    from kvmesh.bench.serve import KEY, SayLog, ServeBenchConfig, running_stack
     from kvmesh.net import free_port
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -211,7 +211,7 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     vllm_threads = _vllm_threads(vlog)
     state_dir = cfg.out_dir / "kvmesh-state"
     env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600"}
-    with running_stack(cfg.model_dir, ServeBenchConfig(model_dir=cfg.model_dir), True, _Say(say), env, state_dir) as url:
+    with running_stack(cfg.model_dir, ServeBenchConfig(model_dir=cfg.model_dir), True, SayLog(say), env, state_dir) as url:
         say("kvmesh ready")
         runs["kvmesh"] = asyncio.run(drive(url, KEY, cfg.model_dir.name, w, say))
         parts = breakdown([t for timings, _ in runs["kvmesh"].values() for t in timings], state_dir / "logs")
@@ -242,13 +242,3 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     result["plot"] = str(png)
     (cfg.out_dir / "peer.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-class _Say:
-    """running_stack logs through a rich Console's `log`; route it to the bench's progress line."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self._say = say
-
-    def log(self, text: str) -> None:
-        self._say(text)

@@ -35,12 +35,13 @@ class Timing:
         return not self.error and bool(self.token_times)
 
 
-async def send(client, model: str, workload: str, call: Call) -> Timing:
+async def send(client, model: str, workload: str, call: Call, **extra) -> Timing:
+    """One streamed greedy call; `extra` goes to the SDK (e.g. `extra_body`)."""
     t = Timing(workload, time.time())
     try:
         stream = await client.chat.completions.create(
             model=model, messages=list(call.messages), max_tokens=call.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+            stream_options={"include_usage": True}, **extra)
         async for chunk in stream:
             t.request_id = t.request_id or chunk.id
             if chunk.choices and chunk.choices[0].delta.content:

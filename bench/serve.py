@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +59,16 @@ class Sample:
     cached_tokens: int
     completion_tokens: int
     text: str
+
+
+class SayLog:
+    """`running_stack` reports through a rich Console's `log`: this sends it to a bench's progress function."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+
+    def log(self, text: str) -> None:
+        self._say(text)
 
 
 @contextmanager

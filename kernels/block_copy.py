@@ -24,8 +24,12 @@ def gather_blocks(
         from kvmesh.kernels.triton.block_copy import gather_blocks_triton
 
         return gather_blocks_triton(kv_cache, block_ids)
-    ids = block_ids.to(device=kv_cache.device, dtype=torch.long)
-    return kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+    ids = block_ids.tolist()
+    out = torch.empty((len(ids), kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:]), dtype=kv_cache.dtype,
+                      device=kv_cache.device)
+    for i, block_id in enumerate(ids):  # one copy per block (index_select then contiguous would copy twice)
+        out[i].copy_(kv_cache[:, :, block_id])
+    return out
 
 
 def scatter_blocks(

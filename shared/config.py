@@ -135,6 +135,10 @@ class WorkerSettings(BaseModel):
     # prefill restores from a tier only while that beats recomputing here (shared/serving/restore_gate.py);
     # False: every tier is asked whatever it costs (tests and benchmarks of the restore paths themselves)
     restore_gate: bool = True
+    # A prompt handed off to a decode worker goes to L2 step by step while it is prefilled, and the decode
+    # worker pulls it as it comes (shared/serving/prefill_stream.py); it holds what it pulled this long.
+    stream_handoff: bool = True
+    stream_hold_s: float = Field(default=30.0, gt=0.0)
 
 
 class SessionRetentionSettings(BaseModel):

@@ -15,6 +15,8 @@ and streams.py; the properties the tests hold it to:
   threshold);
 - only workers (prefill, decode) make peer-fetch requests, and only a worker
   serves (subscribes to) its own peer-fetch subject;
+- only prefill sends pulls (`kvmesh.pull.<decode id>`: fetch a prompt it is
+  streaming), and a decode worker reads only its own;
 - each process receives replies on its own inbox prefix
   `_INBOX.<role>.<id>` (`inbox_prefix`), so nobody reads another's replies
   (peer-fetch replies carry KV bytes);
@@ -122,10 +124,11 @@ def _worker(g: _Grants, role: str, own: str) -> None:
           sub=(f"{subjects.ROOT}.abort.{own}", f"{subjects.ROOT}.kv.dump.{own}",
                f"{subjects.ROOT}.peer.{own}.fetch", f"{subjects.ROOT}.peer.{own}.credit"))
     if role == PREFILL:
-        g.add(pub=(f"{subjects.ROOT}.handoff.*",
+        g.add(pub=(f"{subjects.ROOT}.handoff.*", f"{subjects.ROOT}.pull.*",
                    *_own_pull(streams.JOBS.name, "prefill", own, f"{subjects.ROOT}.jobs.prefill.{own}"),
                    *_pull(streams.JOBS.name, streams.PREFILL_ANY.durable, streams.PREFILL_ANY.filter_subject)))
     else:
+        g.add(sub=(f"{subjects.ROOT}.pull.{own}",))
         g.add(pub=(f"{subjects.ROOT}.dlq.{streams.HANDOFF.name}",
                    *_own_pull(streams.JOBS.name, "decode", own, f"{subjects.ROOT}.jobs.decode.{own}"),
                    *_pull(streams.JOBS.name, streams.DECODE_ANY.durable, streams.DECODE_ANY.filter_subject),

@@ -318,3 +318,29 @@ def peer(
                      batches=tuple(int(b) for b in batches.split(",") if b.strip()), threads=threads, seed=seed)
     result = run_peer_bench(cfg, lambda line: typer.echo(f"[peer] {line}", err=True))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
+def handoff(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    geometry: Annotated[str, typer.Option(help="KV geometry: 8b (Llama-3-8B) or 70b (Llama-3-70B).")] = "8b",
+    turns: Annotated[int, typer.Option(min=1, help="Turns of the recorded agent session.")] = 4,
+    min_first_tokens: Annotated[int, typer.Option(min=16, help="The session's first call has at least this many tokens.")] = 2000,
+    l3: Annotated[str, typer.Option(help="Stacks to run, comma-separated: on (S3 uploads beside the handoff), off.")] = "on,off",
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the modeled H200 recompute.")] = 0.5,
+    out: Annotated[Path | None, typer.Option(help="Keep each stack's state dir (logs) and handoff.json here.")] = None,
+) -> None:
+    """The prefill -> decode handoff through `kvmesh up` at real KV geometry: gap, GB/s, memcpy, H200 recompute."""
+    from kvmesh.bench.handoff import HandoffConfig, run_handoff_bench
+    from kvmesh.sim.recompute_model import GEOMETRIES
+
+    if geometry not in GEOMETRIES:
+        raise typer.BadParameter(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")
+    modes = [m.strip() for m in l3.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise typer.BadParameter("--l3 takes on, off or on,off")
+    cfg = HandoffConfig(geometry=geometry, turns=turns, min_first_tokens=min_first_tokens, mfu=mfu,
+                        l3_modes=tuple(m == "on" for m in modes),
+                        out_dir=out.resolve() if out else None)
+    result = run_handoff_bench(cfg, lambda line: typer.echo(f"[handoff] {line}", err=True))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))

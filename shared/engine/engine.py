@@ -342,6 +342,24 @@ class Engine:
         """Put the leading cached run of `hashes` under `lease` (blocks a request will find in L1); how many."""
         return self.leases.hold_cached(lease, hashes)
 
+    def cached_prompt_views(self, request_id: str, start: int, lease: str) -> list[KVBlock]:
+        """The running request's full prompt blocks cached since block `start`, as views of the pool (no
+        copy) held under `lease`: a cached block someone holds is never rewritten, so another thread may
+        read them until `release_lease(lease)`. Empty once the request has ended."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        end = min(req.num_cached_blocks, req.num_prompt_tokens // self.block_size)
+        if end <= start:
+            return []
+        hashes = req.block_hashes[start:end]
+        held = self.leases.hold_cached(lease, hashes)
+        views = []
+        for h in hashes[:held]:
+            block = self.cache.get(h)
+            views.append(KVBlock(h, block.parent_hash, block.token_ids, self.kv_cache[:, :, block.block_id]))
+        return views
+
     def release_lease(self, lease: str) -> int:
         """End a lease whose request will not be added (failed, aborted before); no-op if there is none."""
         if lease in self._requests:

@@ -43,7 +43,9 @@ class Retain(Message):
     """Keep a session's chain (`hashes`, root first) in L1 until `until` (unix seconds): it is expected back.
 
     With `fetch` (a prefetch) the part of the chain not in L1 is first brought back from L2 or L3
-    under the tenant's hash keys (`tenant_salt`, hex). Pins stay within the worker's pin budget.
+    under the tenant's hash keys (`tenant_salt`, hex), and with `owner` first from that worker
+    (a prefill worker streaming a prompt it hands off here: shared/serving/prefill_stream.py).
+    Pins stay within the worker's pin budget.
     """
 
     kind: Literal["retain"] = "retain"
@@ -52,6 +54,7 @@ class Retain(Message):
     fetch: bool = False
     tenant_salt: str = ""
     session_id: str = ""  # for logs
+    owner: str = ""  # with fetch: the worker whose L2 holds the chain
 
 
 Command = Annotated[Demote | Drop | Warm | Retain, Field(discriminator="kind")]

@@ -79,6 +79,13 @@ def abort(worker_id: str) -> str:
     return f"{ROOT}.abort.{token(worker_id)}"
 
 
+# Pulls: prefill -> the decode worker it hands a long prompt to, while prefilling it: "bring this chain
+# from my L2 into your pool" (shared/serving/prefill_stream.py). Core NATS: advice; a lost one only means
+# the DecodeJob fetches those blocks itself.
+def pull(worker_id: str) -> str:
+    return f"{ROOT}.pull.{token(worker_id)}"
+
+
 # KV cache events (stored / removed / cleared) feeding the cache index.
 KV_EVENTS_ALL = f"{ROOT}.kv.events.>"
 

@@ -47,6 +47,14 @@ class RequestSpec:
     generated: Sequence[int] = ()
     blocks: Sequence[KVBlock] = ()  # a chain to put into the pool right before admission (under the request's lease)
     use_cache: bool = True
+    # Sees, after each step, the prompt's full blocks that step cached: pool views held under the lease
+    # `cached_lease(request_id)` until the caller releases it (`Engine.cached_prompt_views`).
+    on_cached: Callable[[list[KVBlock]], None] | None = None
+
+
+def cached_lease(request_id: str) -> str:
+    """The lease `RequestSpec.on_cached`'s blocks are held under."""
+    return f"{request_id}:cached"
 
 
 @dataclass(slots=True)
@@ -54,6 +62,8 @@ class _Running:
     on_output: OnOutput
     done: asyncio.Future[RequestOutput]
     live: bool = True  # False: a background request (not counted as load)
+    on_cached: Callable[[list[KVBlock]], None] | None = None
+    cached: int = 0  # prompt blocks handed to on_cached so far
 
 
 @dataclass
@@ -95,7 +105,7 @@ class EngineLoop:
         ValueError from the engine (bad ids, too long) is raised here. Cancelling aborts the request.
         """
         fut = self._future()
-        item = ("add", spec, _Running(on_output, fut, live=not background))
+        item = ("add", spec, _Running(on_output, fut, live=not background, on_cached=spec.on_cached))
         if background:
             self._commands.put(("background", item, None))
         else:
@@ -194,6 +204,12 @@ class EngineLoop:
             self._running.clear()
             self.active = 0
             return True
+        for rid, running in self._running.items():
+            if running.on_cached is not None:
+                views = self.engine.cached_prompt_views(rid, running.cached, cached_lease(rid))
+                if views:
+                    running.cached += len(views)
+                    self._loop.call_soon_threadsafe(running.on_cached, views)
         for out in outputs:
             running = self._running.get(out.request_id)
             if running is None:

@@ -24,10 +24,11 @@ WINDOW_BLOCKS = 64
 
 
 async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[bytes], tenant_salt: str,
-                      window_blocks: int = WINDOW_BLOCKS, session_id: str | None = None
+                      window_blocks: int = WINDOW_BLOCKS, session_id: str | None = None, keep_chain: bool = False
                       ) -> tuple[list[BlockHandle], list]:
     """`register` the chain `hashes` (position 0 first) for `session_id` (named in its KV events); returns
-    what the last `register` returned: the handles of the leading run L2 holds, and the encoded chain."""
+    what the last `register` returned: the handles of the leading run L2 holds, and the chain (every
+    block's encoded bytes with `keep_chain`: see `WorkerTiers.register`)."""
     hashes = list(hashes)
     missing = tiers.missing(hashes)
     at = {h: i for i, h in enumerate(hashes)}
@@ -41,7 +42,7 @@ async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[b
         tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt, session_id)
         if len(exported) < len(part):
             break
-    return tiers.register(hashes, [], tenant_salt, session_id)
+    return tiers.register(hashes, [], tenant_salt, session_id, keep_chain)
 
 
 async def store_tokens(engine: EngineLoop, tiers: WorkerTiers, token_ids: Sequence[int], salt: bytes,

@@ -34,10 +34,11 @@ from kvmesh.engine.sampling import SamplingParams
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.serving import DecodeJob, PrefillJob, TokenEvent
-from kvmesh.serving.engine_loop import RequestSpec
+from kvmesh.serving.engine_loop import RequestSpec, cached_lease
 from kvmesh.serving.kv_store import store_chain, store_tokens
 from kvmesh.serving.ledger import JobLedger, run_once, stop_here
 from kvmesh.serving.pinning import L2Pins, apply_pins, cache_created
+from kvmesh.serving.prefill_stream import PrefillStream
 from kvmesh.serving.prefix_reach import Reach, reach_prefix
 from kvmesh.serving.runtime import WorkerRuntime
 from kvmesh.serving.token_stream import TokenStream, publish_event
@@ -103,7 +104,9 @@ class PrefillWorker:
             if job.decode_worker == self.worker_id and not job.prefill_only:
                 await self._decode_here(job, reach, salt, engine_id, reach_ms=_ms(t0, time.perf_counter()))
                 return
-            spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling, max_tokens=1), salt)
+            stream = self._stream(job, reach)
+            spec = RequestSpec(engine_id, job.prompt_ids, SamplingParams.of(job.sampling, max_tokens=1), salt,
+                               on_cached=stream.add if stream is not None else None)
             self._engine_ids[job.request_id] = (job.attempt, engine_id)
             t1 = time.perf_counter()
             try:
@@ -116,6 +119,9 @@ class PrefillWorker:
                 return
             finally:
                 self._engine_ids.pop(job.request_id, None)
+                if stream is not None:  # stored, or given up: the engine may let the views' blocks go
+                    await stream.close()
+                    engine.release_lease(cached_lease(engine_id))
         finally:
             engine.release_lease(engine_id)  # the blocks fetched for a request that never ran
         if out.finish_reason == "abort":  # the client went away: publish nothing more
@@ -147,7 +153,8 @@ class PrefillWorker:
                 final_sent = True
         t3 = time.perf_counter()
         tiers = self.rt.tiers
-        handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt, session_id=job.session_id)
+        handles, chain = await store_chain(engine, tiers, reach.hashes, job.tenant_salt, session_id=job.session_id,
+                                           keep_chain=job.prefill_only)
         if job.pins:
             await apply_pins(engine, tiers, job.pins, reach.hashes, namespace_for(job.tenant_salt), self.l2_pins)
         log.info("prefilled", request_id=job.request_id, attempt=job.attempt, prompt_tokens=len(job.prompt_ids),
@@ -171,6 +178,14 @@ class PrefillWorker:
         )
         await self.publisher.publish(subjects.handoff(job.decode_worker), handoff,
                                      msg_id=f"{job.request_id}:{job.attempt}")
+
+    def _stream(self, job: PrefillJob, reach: Reach) -> PrefillStream | None:
+        """A handoff's prompt, stored and pulled by the decode worker step by step while it is prefilled."""
+        if job.prefill_only or not self.settings.stream_handoff or job.decode_worker == subjects.ANY:
+            return None
+        return PrefillStream(self.rt.tiers, self.publisher, f"{job.request_id}:{job.attempt}", list(reach.hashes),
+                             job.tenant_salt, self.worker_id, job.decode_worker, self.settings.stream_hold_s,
+                             job.session_id)
 
     async def _decode_here(self, job: PrefillJob, reach: Reach, salt: bytes, engine_id: str, reach_ms: float) -> None:
         """Run the request to its end on this worker: tokens from seq 0 (the first event carries the prefill's

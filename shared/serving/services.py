@@ -7,9 +7,11 @@ environment (shared/config.py), the model from `KVMESH_MODEL_DIR`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from kvmesh.bus.consumer import typed
+from kvmesh.eviction.messages import Retain
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.base import ProtocolError
@@ -62,14 +64,41 @@ async def listen_for_aborts(ctx: ServiceContext, abort: Callable[[AbortRequest],
     ctx.on_stop.insert(0, sub.unsubscribe)
 
 
-def obey_eviction(ctx: ServiceContext, rt: WorkerRuntime) -> None:
+def obey_eviction(ctx: ServiceContext, rt: WorkerRuntime) -> CommandHandler:
     """The eviction service's advice (demote / drop / warm) for this worker, applied to its engine and tiers.
 
     Advice only: the engine never waits for it and refuses to move pinned or in-use blocks.
     """
-    commands = CommandHandler(rt.engine, rt.tiers.l2, rt.tiers.l3, rt.events)
+    commands = CommandHandler(rt.engine, rt.tiers.l2, rt.tiers.l3, rt.events, peers=rt.tiers.resolver.peers)
     ctx.metrics.registry.register(CommandsCollector(lambda: commands.applied))
     ctx.add_consumer(command_consumer(ctx.worker_id), commands.on_message)
+    return commands
+
+
+async def take_pulls(ctx: ServiceContext, commands: CommandHandler) -> None:
+    """Pulls to this decode worker (core NATS, from a prefill worker streaming a prompt it will hand
+    off here: shared/serving/prefill_stream.py) are applied as prefetches, one at a time, in order."""
+    order = asyncio.Lock()
+
+    async def apply(cmd: Retain) -> None:
+        async with order:
+            try:
+                await commands.retain(cmd)
+            except Exception as exc:  # noqa: BLE001 - advice: the DecodeJob fetches what this did not
+                log.warning("pull failed", error=repr(exc))
+
+    async def on_pull(msg) -> None:
+        try:
+            cmd = Retain.from_bytes(msg.data)
+        except ProtocolError as exc:
+            log.warning("unreadable pull ignored", error=str(exc))
+            return
+        pending.add(task := asyncio.create_task(apply(cmd)))
+        task.add_done_callback(pending.discard)
+
+    pending: set[asyncio.Task] = set()
+    sub = await ctx.nc.subscribe(subjects.pull(ctx.worker_id), cb=on_pull)
+    ctx.on_stop.insert(0, sub.unsubscribe)
 
 
 async def setup_prefill(ctx: ServiceContext) -> None:
@@ -87,7 +116,7 @@ async def setup_prefill(ctx: ServiceContext) -> None:
 
 async def setup_decode(ctx: ServiceContext) -> None:
     rt = await WorkerRuntime.start(ctx)
-    obey_eviction(ctx, rt)
+    await take_pulls(ctx, obey_eviction(ctx, rt))
     audit = CacheAudit(rt.engine, ctx.settings.audit_rate, ctx.metrics.registry)
     ctx.on_stop.insert(0, audit.close)
     worker = DecodeWorker(ctx.worker_id, rt, ctx.publisher, audit, ctx.settings.workers)

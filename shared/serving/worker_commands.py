@@ -30,12 +30,13 @@ from kvmesh.kv_events.publisher import KVEventPublisher
 from kvmesh.protocol import subjects
 from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import COMMANDS, ConsumerSpec, worker_consumer
-from kvmesh.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, Source
+from kvmesh.serving.kv_fetch import DEFAULT_WINDOW_BLOCKS, L2Source, L3Source, PeerSource, Source
 from kvmesh.serving.prefetch import retain_chain
 from kvmesh.serving.worker_tiers import namespace_for
 from kvmesh.tiers.l2_host import HostTier
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.miss import Miss
+from kvmesh.tiers.resolver import PeerClient
 from nats.aio.msg import Msg
 
 T = TypeVar("T")
@@ -71,6 +72,7 @@ class CommandHandler:
     l3: L3Store | None = None
     events: KVEventPublisher | None = None
     resolve_inflight: int = 3  # a prefetch's windows in flight (as a request's restore)
+    peers: PeerClient | None = None  # other workers' L2 (a retain naming an `owner`)
     applied: CommandResult = field(default_factory=CommandResult)  # running totals, for metrics and tests
 
     async def on_message(self, msg: Msg) -> None:
@@ -142,6 +144,8 @@ class CommandHandler:
         sources: list[Source] = []
         if cmd.fetch:
             sources.append(L2Source(self.l2))
+            if cmd.owner and self.peers is not None:
+                sources.append(PeerSource(self.peers, lambda _: (cmd.owner,)))
             if self.l3 is not None:
                 sources.append(L3Source(self.l3, namespace_for(cmd.tenant_salt), search_partial=True))
         window = self.l3.chunk_blocks if self.l3 is not None else DEFAULT_WINDOW_BLOCKS

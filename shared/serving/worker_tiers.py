@@ -124,31 +124,37 @@ class WorkerTiers:
         return [h for h in hashes if h not in self.l2]
 
     def register(self, hashes: list[bytes], exported: list[KVBlock], tenant_salt: str,
-                 session_id: str | None = None) -> tuple[list[BlockHandle], list]:
+                 session_id: str | None = None, keep_chain: bool = False) -> tuple[list[BlockHandle], list]:
         """Put the chain `hashes` (position 0 first) into L2 and offer it to the L3 upload queue.
 
         `session_id` (the job's) is named in the KV events of the blocks L2 newly stores.
 
-        `exported` holds the blocks L2 lacked (from the engine). Returns the handles of the leading
-        run that L2 holds, and the encoded chain (for a direct L3 write). A block neither in L2 nor
-        exported ends the chain; one L2 cannot take (pinned full) ends the handles only (the queue
-        then keeps its bytes). A chain whose chunks are all known in L3 costs no encode for L3 and
-        no S3 request.
+        `exported` holds the blocks L2 lacked (from the engine); each is encoded straight into L2.
+        Returns the handles of the leading run that L2 holds, and the chain as the upload queue
+        gets it: the encoded bytes of a block L2 could not take (pinned full: the queue keeps them),
+        None for one L2 holds (the queue reads it from L2 at its turn). `keep_chain` fills in every
+        block's bytes (a direct L3 write: named caches). A block neither in L2 nor exported ends the
+        chain; one L2 cannot take ends the handles only. A chain whose chunks are all known in L3
+        costs no encode for L3 and no S3 request.
         """
         by_hash = {kb.block_hash: kb for kb in exported}
         handles: list[BlockHandle] = []
         chain: list = []
         for h in hashes:
             handle = self.l2.handle(h)
-            encoded = self.l2.get_encoded(h) if handle is not None else None
-            if not isinstance(encoded, memoryview):
+            encoded = None
+            if handle is not None and keep_chain:
+                got = self.l2.get_encoded(h)
+                encoded, handle = (got, handle) if isinstance(got, memoryview) else (None, None)
+            if handle is None:
                 kb = by_hash.get(h)
                 if kb is None:
                     break
-                encoded = encode_kv_block(kb, self.l2.fingerprint)
-                put = self.l2.put_encoded(encoded)
+                put = self.l2.put_block(kb)
                 handle = put.handle if put.stored else None
                 self._announce(h, kb, put.stored, put.evicted, session_id)
+                if handle is None or keep_chain:
+                    encoded = encode_kv_block(kb, self.l2.fingerprint)
             chain.append(encoded)
             if handle is not None and len(handles) == len(chain) - 1:
                 handles.append(handle)

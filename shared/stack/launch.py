@@ -130,6 +130,9 @@ def start_nats(server: NatsServer, timeout_s: float) -> tuple[ProcessRecord, lis
     return process_record(mp, "server", ports, name=name), endpoints
 
 
+S3_NICE = 10
+
+
 def start_s3(
     state_dir: Path, host: str, port: int, creds: S3Credentials, bucket: str, bin_dir: Path | None, timeout_s: float
 ) -> tuple[ProcessRecord, Endpoint]:
@@ -137,6 +140,7 @@ def start_s3(
     server = S3Server(
         data_dir=data_dir, host=host, port=port, access_key=creds.access_key, secret_key=creds.secret_key,
         bin_dir=bin_dir, extra_ports=_reusable_ports(data_dir / "ports.json", host),
+        nice=S3_NICE,  # on one box the object store's work waits for spare CPU, as the uploads do
     )
     mp = _start(server, "S3 server", timeout_s)
     (data_dir / "ports.json").write_text(json.dumps(server.extra_ports))

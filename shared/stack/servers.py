@@ -130,9 +130,10 @@ class ManagedProcess:
 
 
 def spawn_process(
-    name: str, argv: list[str], log_path: Path, detach: bool, env: dict[str, str] | None = None
+    name: str, argv: list[str], log_path: Path, detach: bool, env: dict[str, str] | None = None, nice: int = 0
 ) -> ManagedProcess:
-    """Start argv with stdout+stderr appended to log_path; detach puts it in its own session."""
+    """Start argv with stdout+stderr appended to log_path; detach puts it in its own session; `nice` lowers
+    its CPU priority (every thread it starts inherits it)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     proc = subprocess.Popen(
@@ -142,6 +143,7 @@ def spawn_process(
         stdin=subprocess.DEVNULL,
         env=env,
         start_new_session=detach,  # detached stacks survive the launching shell
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     log.close()
     return ManagedProcess(name=name, proc=proc, log_path=log_path)
@@ -277,6 +279,7 @@ class S3Server:
     bin_dir: Path | None = None  # see find_binary
     process: ManagedProcess | None = field(default=None, init=False)
     extra_ports: dict[str, int] = field(default_factory=dict)
+    nice: int = 0  # CPU priority below the services (a one-box stack: writes to L3 wait for spare CPU)
 
     @property
     def endpoint(self) -> str:
@@ -323,7 +326,7 @@ class S3Server:
                 raise PortInUseError(f"port {p} on {self.host} is already in use (S3 server)")
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         creds = self.write_credentials()
-        self.process = spawn_process("s3", self.argv(binary, creds), self.data_dir / "s3.log", detach)
+        self.process = spawn_process("s3", self.argv(binary, creds), self.data_dir / "s3.log", detach, nice=self.nice)
         wait_for_port(self.port, self.host, ready_timeout_s, self.process.proc)
         self.wait_s3_ready(ready_timeout_s)
         return self.process

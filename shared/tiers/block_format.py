@@ -92,8 +92,21 @@ def encode_kv_block(block: KVBlock, fingerprint: str) -> bytearray:
     return encode_block(header_for(block, fingerprint), block.data)
 
 
+def encoded_size(header: BlockHeader) -> int:
+    """The bytes `header`'s block takes encoded: header, payload, checksum."""
+    return _payload_offset(len(header.fingerprint.encode()), header.block_size) + header.payload_bytes + CHECKSUM_BYTES
+
+
 def encode_block(header: BlockHeader, data: torch.Tensor) -> bytearray:
     """Header + payload + checksum in one buffer; the payload is copied exactly once."""
+    out = bytearray(encoded_size(header))
+    encode_block_into(header, data, memoryview(out))
+    return out
+
+
+def encode_block_into(header: BlockHeader, data: torch.Tensor, out: memoryview) -> bytes:
+    """Write the encoded block into `out` (`encoded_size(header)` bytes, e.g. an L2 arena's space: the
+    payload is copied once, straight there); returns its checksum."""
     if tuple(data.shape) != header.shape or data.dtype != DTYPES[header.dtype]:
         raise ValueError(f"tensor {tuple(data.shape)} {data.dtype} does not match header {header.shape} {header.dtype}")
     if len(header.block_hash) != 32 or (header.parent_hash is not None and len(header.parent_hash) != 32):
@@ -103,7 +116,8 @@ def encode_block(header: BlockHeader, data: torch.Tensor) -> bytearray:
         raise ValueError("fingerprint longer than 255 bytes")
     head_len = _payload_offset(len(fp), header.block_size)
     total = head_len + header.payload_bytes + CHECKSUM_BYTES
-    out = bytearray(total)
+    if len(out) != total:
+        raise ValueError(f"{len(out)} bytes given for a {total}-byte block")
     _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, _DTYPE_CODE[header.dtype], LAYOUTS.index(header.layout),
                      header.num_layers, header.num_kv_heads, header.head_dim, header.block_size,
                      header.parent_hash is not None, len(fp), header.block_hash,
@@ -111,12 +125,14 @@ def encode_block(header: BlockHeader, data: torch.Tensor) -> bytearray:
     pos = _FIXED.size
     out[pos:pos + len(fp)] = fp
     pos += len(fp)
+    out[pos:head_len] = bytes(head_len - pos)  # token ids, then zero padding (an arena's space is not cleared)
     out[pos:pos + 4 * header.block_size] = np.asarray(header.token_ids, dtype="<u4").tobytes()
-    view = memoryview(out)
-    src = data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-    np.frombuffer(view[head_len:total - CHECKSUM_BYTES], dtype=np.uint8)[:] = src
-    view[total - CHECKSUM_BYTES:] = xxhash.xxh3_128_digest(view[:total - CHECKSUM_BYTES])
-    return out
+    # One copy, straight from `data` (a strided view of a pool is fine) into `out`.
+    dst = torch.frombuffer(out, dtype=torch.uint8, count=header.payload_bytes, offset=head_len)
+    dst.view(data.dtype).view(data.shape).copy_(data.detach())
+    digest = xxhash.xxh3_128_digest(out[:total - CHECKSUM_BYTES])
+    out[total - CHECKSUM_BYTES:] = digest
+    return digest
 
 
 def checksum_of(buf) -> bytes:

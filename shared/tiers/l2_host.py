@@ -26,7 +26,8 @@ from kvmesh.tiers.block_format import (
     checksum_of,
     decode_header,
     decode_or_miss,
-    encode_kv_block,
+    encode_block_into,
+    encoded_size,
     header_for,
 )
 from kvmesh.tiers.miss import Miss, MissCounters, MissReason
@@ -65,12 +66,17 @@ class HostTier:
         return len(self._info)
 
     def put_block(self, block: KVBlock) -> PutResult:
-        """Encode and store an engine block (no re-verification: we just wrote the checksum)."""
-        if block.block_hash in self._info:  # content-addressed: already here means identical
-            self._touch(block.block_hash)
-            return PutResult(True, [], self.handle(block.block_hash))
-        encoded = encode_kv_block(block, self.fingerprint)
-        return self._insert(header_for(block, self.fingerprint), encoded, len(encoded))
+        """Encode an engine block straight into the arena (one copy of its payload; no re-verification:
+        the checksum was just computed from the bytes written)."""
+        header = header_for(block, self.fingerprint)
+        total = encoded_size(header)
+
+        def write(key: bytes) -> bytes | None:
+            digest: list[bytes] = []
+            ok = self.arena.write_into(key, total, lambda space: digest.append(encode_block_into(header, block.data, space)))
+            return digest[0] if ok else None
+
+        return self._insert(header, total, write)
 
     def put_encoded(self, encoded) -> PutResult:
         """Store an encoded block (verified first: L2 never holds bytes it could not serve).
@@ -80,15 +86,16 @@ class HostTier:
         header, _, total = decode_header(encoded)
         if header.fingerprint != self.fingerprint:
             raise ValueError(f"fingerprint mismatch: block {header.fingerprint[:12]}.. vs tier {self.fingerprint[:12]}..")
-        return self._insert(header, encoded, total)
+        data = encoded if len(encoded) == total else memoryview(encoded)[:total]
+        return self._insert(header, total, lambda key: checksum_of(data) if self.arena.write(key, data) else None)
 
-    def _insert(self, header: BlockHeader, encoded, total: int) -> PutResult:
+    def _insert(self, header: BlockHeader, total: int, write: Callable[[bytes], bytes | None]) -> PutResult:
+        """Admit a block of `total` bytes; `write(key)` puts it in the arena and returns its checksum, or
+        None when the arena has no room (then the lowest-priority unpinned block goes, and it tries again)."""
         key = header.block_hash
-        checksum = checksum_of(memoryview(encoded)[:total])
-        handle = self._handle(key, total, checksum)
-        if key in self._info:
+        if key in self._info:  # content-addressed: already here means identical
             self._touch(key)
-            return PutResult(True, [], handle)
+            return PutResult(True, [], self.handle(key))
         now = self.clock()
         if self._observe is not None:
             self._observe(key, now)
@@ -103,8 +110,7 @@ class HostTier:
         if evicted is None:
             self.refused_blocks += 1
             return PutResult(False, [])
-        data = encoded if len(encoded) == total else memoryview(encoded)[:total]
-        while not self.arena.write(key, data):  # the arena's own limits (a slab's holes, its directory)
+        while (checksum := write(key)) is None:  # the arena's own limits (a slab's holes, its directory)
             victim = self._lowest_unpinned(now)
             if victim is None:
                 self.refused_blocks += 1
@@ -118,7 +124,7 @@ class HostTier:
         self.used_bytes += total
         if parent:
             parent.num_children += 1
-        return PutResult(True, evicted, handle)
+        return PutResult(True, evicted, self._handle(key, total, checksum))
 
     def get_encoded(self, block_hash: bytes) -> memoryview | Miss:
         """The stored bytes, unverified (a peer or L3 writer verifies on its side)."""

@@ -25,6 +25,7 @@ import os
 import re
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
@@ -116,22 +117,35 @@ class SlabArena:
         return len(self._where)
 
     def write(self, key: bytes, data) -> bool:
+        src = memoryview(data).cast("B")
+
+        def fill(space: memoryview) -> None:
+            space[:] = src
+
+        return self.write_into(key, len(src), fill)
+
+    def write_into(self, key: bytes, nbytes: int, fill: Callable[[memoryview], object]) -> bool:
+        """`fill` writes the block into its space in the slab; its directory entry is added after."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"slab keys are {KEY_BYTES}-byte block hashes, got {len(key)} bytes")
         if key in self._where:
             return True  # content-addressed: the bytes are the same
-        src = memoryview(data).cast("B")
         if len(self._where) >= self.max_blocks:
             return False
-        offset = self._alloc.alloc(len(src))
+        offset = self._alloc.alloc(nbytes)
         if offset is None:
             return False
         start = self._data_off + offset
-        self._mm[start:start + len(src)] = src
+        with memoryview(self._mm) as whole, whole[start:start + nbytes] as space:
+            try:
+                fill(space)
+            except BaseException:
+                self._alloc.free(offset, nbytes)
+                raise
         slot = _home(key, self.slots)
         while slot in self._keys:
             slot = (slot + 1) & (self.slots - 1)
-        self._set(slot, key, offset, len(src))
+        self._set(slot, key, offset, nbytes)
         return True
 
     def read(self, key: bytes) -> memoryview | None:

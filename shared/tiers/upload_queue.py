@@ -9,13 +9,15 @@ hold. Only those owned bytes and a small per-chunk overhead count against
 `max_bytes`; a chunk that does not fit is dropped and counted, and so is the
 rest of its chain. A chain of any length whose blocks L2 holds always fits.
 
-At its turn a chunk's blocks are read from the source on the event-loop
-thread (the source's owner runs there too) as views that stay valid whatever
-L2 does next: a heap buffer lives while referenced, a shared-memory block is
-a private mapping that outlives its segment's unlink (segments are never
-truncated in place). One chunk body is then encoded and PUT in a thread, so
-the bytes in flight are one chunk. The store checks every block against the
-hash it is queued under, so no bytes can land under another chunk's key.
+At its turn a chunk is read, encoded and PUT on a thread of the queue's own
+at the lowest OS priority (shared/background.py), so an upload waits for
+spare CPU rather than delay a token, and the bytes in flight are one chunk.
+The blocks it does not own are copied out of the source there, without a
+lock: a heap buffer lives while referenced, and a shared-memory block whose
+space is freed and reused while it is copied fails the checksum the store
+verifies before it writes (a failed chunk, never wrong bytes). The store
+also checks every block against the hash it is queued under, so no bytes can
+land under another chunk's key.
 A chunk whose blocks left L2 before its turn is lost (`chunks_lost`), and so
 are the later chunks of its chain: readers walk chunks from position 0 and
 never reach past a gap (the next registration of the chain exports the
@@ -39,13 +41,15 @@ import asyncio
 import enum
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.aio import wait_event
+from kvmesh.background import background_executor
 from kvmesh.retry import Backoff
-from kvmesh.tiers.l3_store import L3Store, L3Unavailable, WriteOutcome
+from kvmesh.tiers.l3_store import ChunkWrite, L3Store, L3Unavailable, WriteOutcome
 
 _CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
 
@@ -114,6 +118,8 @@ class UploadQueue:
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _task: asyncio.Task | None = field(default=None, init=False, repr=False)
+    # Reads, encoding and PUTs run here, at the lowest OS priority: an upload never takes a core from a token.
+    _executor: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     @property
     def pending_chunks(self) -> int:
@@ -158,6 +164,8 @@ class UploadQueue:
         return True
 
     def start(self) -> None:
+        if self._executor is None:
+            self._executor = background_executor("l3-upload")
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="l3-upload")
 
@@ -181,6 +189,9 @@ class UploadQueue:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     # -- queueing ----------------------------------------------------------
 
@@ -279,6 +290,16 @@ class UploadQueue:
             first_due = next(iter(self._waiting.values())).due if self._waiting else None
             await wait_event(self._wake, None if first_due is None else max(0.0, first_due - time.monotonic()))
 
+    def _write(self, chunk: _Chunk) -> ChunkWrite | None:
+        """On the upload thread: read the blocks the chunk does not own from the source, then write it;
+        None when one is gone. A block freed and its space reused while it was copied fails the store's
+        checksum check (a failed chunk), so these reads need no lock on the source."""
+        blocks = [own if own is not None else self.source.read(h) if self.source is not None else None
+                  for h, own in zip(chunk.hashes, chunk.owned)]
+        if any(b is None for b in blocks):
+            return None
+        return self.store.write_chunk(chunk.namespace, blocks, chunk.hashes)
+
     async def _upload(self, chunk: _Chunk) -> None:
         """Land one chunk, retrying while S3 is unavailable; set its state."""
         chunk.state = _State.GAP
@@ -289,15 +310,13 @@ class UploadQueue:
             chunk.state = _State.LANDED
             self.stats.chunks_known += 1
             return
-        blocks = [own if own is not None else self.source.read(h) if self.source is not None else None
-                  for h, own in zip(chunk.hashes, chunk.owned)]
-        if any(b is None for b in blocks):
-            self.stats.chunks_lost += 1
-            return
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         while True:
             try:
-                result = await asyncio.to_thread(self.store.write_chunk, chunk.namespace, blocks, chunk.hashes)
+                result = await asyncio.get_running_loop().run_in_executor(self._executor, self._write, chunk)
+                if result is None:
+                    self.stats.chunks_lost += 1
+                    return
                 break
             except L3Unavailable:
                 self.stats.retries += 1

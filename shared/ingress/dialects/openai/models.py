@@ -71,6 +71,7 @@ class _Common(_Body):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    ignore_eos: bool = False  # vLLM's extra parameter: decode to max_tokens past the end-of-sequence token
 
     @field_validator("n")
     @classmethod

@@ -123,7 +123,8 @@ def _generation(adm: Admitted, body: _Common, turn: Turn, max_tokens: int | None
                 constraint: Constraint | None = None) -> GenerationRequest:
     limit = budget(adm.state, len(turn.prompt_ids), max_tokens)
     sampling = SamplingSpec(max_tokens=limit, temperature=float(body.temperature), top_p=float(body.top_p),
-                            seed=body.seed, stop=body.stop_list(), constraint=constraint)
+                            seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                            constraint=constraint)
     if body.user or body.safety_identifier:
         log.info("request identity", user=body.user, safety_identifier=body.safety_identifier)
     return generation_request(adm, turn.prompt_ids, sampling, turn, cache_key=body.prompt_cache_key)
