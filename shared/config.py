@@ -83,6 +83,9 @@ class TierSettings(BaseModel):
     l3_known_max_age_s: float = 600.0  # ... trusted this long (the GC may delete objects unseen by the worker)
     l2_eviction_policy: str = "lru"  # a name in shared/cache_policy/registry.py
     l2_shared_memory: bool = True  # L2 blocks in POSIX shm segments: same-host peers map them
+    # the first bytes of a shared-memory L2 are faulted in at start, in the background (the first blocks
+    # stored, a handoff's, then pay no page faults); they stay committed in /dev/shm
+    l2_prefault_bytes: int = Field(default=512 * 1024**2, ge=0)
     l3_ttl_s: int = 7 * 24 * 3600  # written to object metadata for the eviction service
     l3_breaker_failures: int = 3  # consecutive S3 failures that open the circuit
     l3_breaker_reset_s: float = 2.0  # open -> half-open probe after this long

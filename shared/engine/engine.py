@@ -343,16 +343,17 @@ class Engine:
         return self.leases.hold_cached(lease, hashes)
 
     def cached_prompt_views(self, request_id: str, start: int, lease: str) -> list[KVBlock]:
-        """The running request's full prompt blocks cached since block `start`, as views of the pool (no
-        copy) held under `lease`: a cached block someone holds is never rewritten, so another thread may
-        read them until `release_lease(lease)`. Empty once the request has ended."""
+        """The running request's full prompt blocks cached since block `start`, as `lease_views` under
+        `lease`. Empty once the request has ended."""
         req = self._requests.get(request_id)
         if req is None:
             return []
         end = min(req.num_cached_blocks, req.num_prompt_tokens // self.block_size)
-        if end <= start:
-            return []
-        hashes = req.block_hashes[start:end]
+        return self.lease_views(req.block_hashes[start:end], lease) if end > start else []
+
+    def lease_views(self, hashes: Sequence[BlockHash], lease: str) -> list[KVBlock]:
+        """The leading cached run of `hashes` as views of the pool (no copy), held under `lease`: a cached
+        block someone holds is never rewritten, so another thread may read them until `release_lease(lease)`."""
         held = self.leases.hold_cached(lease, hashes)
         views = []
         for h in hashes[:held]:

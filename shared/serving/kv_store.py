@@ -8,12 +8,15 @@ need a second 2 GiB host copy next to the pool and L2. Exported
 `window_blocks` at a time, the copy in flight is bounded (64 blocks = 128 MiB
 at 8B). Each window is exported as the leading run of what is still
 missing, so a block the engine dropped meanwhile ends the chain there, as a
-single export would have.
+single export would have. A pool in host memory is not copied out at all:
+the window's blocks are held under a lease and encoded from the pool straight
+into L2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 
 from kvmesh.protocol.blocks import BlockHandle
@@ -32,17 +35,28 @@ async def store_chain(engine: EngineLoop, tiers: WorkerTiers, hashes: Sequence[b
     hashes = list(hashes)
     missing = tiers.missing(hashes)
     at = {h: i for i, h in enumerate(hashes)}
-    for start in range(0, len(missing), window_blocks):
-        part = missing[start:start + window_blocks]
-        # The copy to the host may finish off the engine thread (CUDA side stream).
-        pending = await engine.call(lambda e, p=part: e.start_export(p))
-        exported = await asyncio.to_thread(pending.wait)
-        if not exported:
-            break
-        tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt, session_id)
-        if len(exported) < len(part):
-            break
-    return tiers.register(hashes, [], tenant_salt, session_id, keep_chain)
+    on_host = engine.engine.kv_cache.device.type == "cpu"
+    lease = f"store:{uuid.uuid4().hex}"
+    with tiers.storing_chain():
+        try:
+            for start in range(0, len(missing), window_blocks):
+                part = missing[start:start + window_blocks]
+                if on_host:  # views of the pool under a lease: each block is copied once, into L2
+                    exported = await engine.call(lambda e, p=part: e.lease_views(p, lease))
+                else:  # the copy to the host may finish off the engine thread (CUDA side stream)
+                    pending = await engine.call(lambda e, p=part: e.start_export(p))
+                    exported = await asyncio.to_thread(pending.wait)
+                if not exported:
+                    break
+                tiers.register(hashes[:at[exported[-1].block_hash] + 1], exported, tenant_salt, session_id)
+                if on_host:
+                    engine.release_lease(lease)
+                if len(exported) < len(part):
+                    break
+        finally:
+            if on_host:
+                engine.release_lease(lease)
+        return tiers.register(hashes, [], tenant_salt, session_id, keep_chain)
 
 
 async def store_tokens(engine: EngineLoop, tiers: WorkerTiers, token_ids: Sequence[int], salt: bytes,

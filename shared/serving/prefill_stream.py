@@ -55,6 +55,7 @@ class PrefillStream:
 
     def __post_init__(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self.tiers.storing += 1  # until close: the L3 uploads wait (shared/tiers/upload_queue.py)
 
     def add(self, blocks: list[KVBlock]) -> None:
         """The next leading blocks of the chain (pool views under the engine's lease); on the event loop."""
@@ -70,6 +71,8 @@ class PrefillStream:
             await self._task
         except Exception as exc:  # noqa: BLE001 - best effort: the DecodeJob's resolve covers what is missing
             log.warning("prefill stream failed", request_id=self.request_id, error=repr(exc))
+        finally:
+            self.tiers.storing -= 1
 
     async def _run(self) -> None:
         while True:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+from kvmesh.background import HostIdle
 from kvmesh.cache_policy.session import SessionAware
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.loader import LoadedModel, load_model
@@ -61,6 +62,9 @@ class WorkerRuntime:
         block_bytes = loaded.config.kv_bytes_per_token() * s.engine.block_size
         tiers = await WorkerTiers.start(s, ctx.nc, ctx.worker_id, loaded.fingerprint, s.engine.block_size, events,
                                         block_bytes=block_bytes)
+        if tiers.uploads is not None:  # uploads go between requests, on a quiet host (at most max_defer_s late)
+            host = HostIdle()
+            tiers.uploads.busy = lambda: engine.active > 0 or tiers.storing > 0 or host.busy()
         tiers.counters.export(ctx.metrics.registry)  # checksum/corruption misses visible on /metrics
         metrics = export_worker_metrics(ctx.metrics.registry, engine.engine, tiers, block_bytes)
         peers = PeerDirectory(ctx.js, ctx.worker_id)

@@ -112,6 +112,9 @@ class UploadCollector(Collector):
                                   value=u.dropped_bytes)
         yield CounterMetricFamily("kvmesh_l3_upload_retries", "Upload attempts retried while L3 was unavailable.",
                                   value=u.retries)
+        yield CounterMetricFamily("kvmesh_l3_upload_deferred_chunks", "Chunks that waited for the worker to be idle "
+                                  "(no request running, no chain being stored) before going out.",
+                                  value=u.chunks_deferred)
         yield CounterMetricFamily("kvmesh_l3_put_bytes", "Object bytes this worker's successful L3 PUTs wrote "
                                   "(uploads and named caches).", value=s.bytes_put)
         requests = CounterMetricFamily("kvmesh_l3_write_requests", "S3 write-path requests (failed ones too).",

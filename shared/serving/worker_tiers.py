@@ -15,7 +15,8 @@ memory, the owner over NATS, L3).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from kvmesh.config import Settings
@@ -66,6 +67,7 @@ class WorkerTiers:
     _peer_server: NatsPeerServer | None = None
     _peer_client: NatsPeerClient | None = None
     _touch_task: asyncio.Task[None] | None = None  # flushes L3 read touches every interval
+    storing: int = 0  # chains being stored now (`storing_chain`): the upload queue waits for them
 
     @property
     def peer_client(self) -> NatsPeerClient | None:
@@ -118,6 +120,15 @@ class WorkerTiers:
             await self._peer_client.close()
         self.shm_peers.slabs.close()
         self.l2.close()
+
+    @contextmanager
+    def storing_chain(self) -> Iterator[None]:
+        """Mark a chain being stored (the L3 uploads hold back until none is)."""
+        self.storing += 1
+        try:
+            yield
+        finally:
+            self.storing -= 1
 
     def missing(self, hashes: list[bytes]) -> list[bytes]:
         """The hashes not in this worker's L2: only these need to leave the engine."""

@@ -20,6 +20,8 @@ def build_host_tier(settings: Settings, fingerprint: str, worker_id: str, counte
     t = settings.tiers
     arena = (SlabArena(worker_id, t.l2_capacity_bytes, block_bytes or MIN_BLOCK_BYTES) if t.l2_shared_memory
              else HeapArena())
+    if isinstance(arena, SlabArena):
+        arena.prefault(min(t.l2_prefault_bytes, t.l2_capacity_bytes))
     return HostTier(t.l2_capacity_bytes, get_policy(t.l2_eviction_policy), fingerprint, worker_id, arena, counters)
 
 

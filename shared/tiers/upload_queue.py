@@ -29,6 +29,10 @@ so a growing session would write a new tail object every turn. A tail waits
 replaces it (`chunks_coalesced`), so only the tail of a chain left alone for
 that long is written. `join` (drain: tests, shutdown) sends every tail at once.
 
+A due chunk waits while the worker is `busy` (serving a request, storing a
+chain), for at most `max_defer_s`, so under a steady load the uploads lag
+by that much instead of competing with the requests for the cores.
+
 Failed writes are retried with capped exponential backoff until they land, so
 an S3 restart loses nothing queued (whose blocks L2 still holds or the queue
 owns); while the circuit is open each retry fails fast, and the first retry
@@ -51,6 +55,7 @@ from kvmesh.background import background_executor
 from kvmesh.retry import Backoff
 from kvmesh.tiers.l3_store import ChunkWrite, L3Store, L3Unavailable, WriteOutcome
 
+_QUIET_POLL_S = 0.02  # how often a held chunk looks whether the worker is still busy
 _CHUNK_OVERHEAD = 256  # bytes of bookkeeping a queued chunk costs besides its hashes (32 each)
 
 
@@ -76,6 +81,7 @@ class UploadStats:
     dropped_bytes: int = 0
     chunks_failed: int = 0  # bytes not those of its hashes (a bug, bad input): never retried
     retries: int = 0
+    chunks_deferred: int = 0  # waited for the worker to be idle before going out
 
 
 class _State(enum.Enum):
@@ -109,6 +115,10 @@ class UploadQueue:
     stats: UploadStats = field(default_factory=UploadStats)
     queued_bytes: int = field(default=0, init=False)
     on_uploaded: Callable[[list[bytes]], None] | None = None  # hashes of a chunk written or found (not known)
+    # True while the worker serves (its engine runs requests, or it stores a chain): a due chunk then
+    # waits, up to `max_defer_s` past its due time, so uploads go in the gaps between requests.
+    busy: Callable[[], bool] | None = None
+    max_defer_s: float = 10.0
     _ready: deque[_Chunk] = field(default_factory=deque, init=False, repr=False)
     _waiting: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # tails, due order
     _queued: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # not started
@@ -283,12 +293,22 @@ class UploadQueue:
         while True:
             chunk = self._next()
             if chunk is not None:
+                await self._wait_for_quiet(chunk)
                 await self._upload(chunk)
                 self._done(chunk)
                 continue
             self._wake.clear()
             first_due = next(iter(self._waiting.values())).due if self._waiting else None
             await wait_event(self._wake, None if first_due is None else max(0.0, first_due - time.monotonic()))
+
+    async def _wait_for_quiet(self, chunk: _Chunk) -> None:
+        """Hold a chunk while the worker is busy, until `max_defer_s` past its due time (never when draining)."""
+        until = chunk.due + self.max_defer_s
+        waited = False
+        while self.busy is not None and not self._draining and self.busy() and time.monotonic() < until:
+            waited = True
+            await asyncio.sleep(_QUIET_POLL_S)
+        self.stats.chunks_deferred += waited
 
     def _write(self, chunk: _Chunk) -> ChunkWrite | None:
         """On the upload thread: read the blocks the chunk does not own from the source, then write it;

@@ -29,9 +29,9 @@ async def test_a_chain_exported_in_windows_lands_whole(tiny_loaded, nats_server,
     salt = bytes.fromhex(SALT_A)
     prompt = tiny_loaded.tokenizer.encode(TEXT)
     engine = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))
-    exports: list[int] = []  # how many blocks each export asked for
-    start_export = engine.start_export
-    engine.start_export = lambda hashes: exports.append(len(hashes)) or start_export(hashes)
+    exports: list[int] = []  # how many blocks each window asked for (a host pool: leased views, no copy)
+    lease_views = engine.lease_views
+    engine.lease_views = lambda hashes, lease: exports.append(len(hashes)) or lease_views(hashes, lease)
     loop = EngineLoop(engine)
     loop.start()
     nc = await nats.connect(nats_server.url)
@@ -43,6 +43,7 @@ async def test_a_chain_exported_in_windows_lands_whole(tiny_loaded, nats_server,
         handles, chain = await store_chain(loop, tiers, hashes, SALT_A, window_blocks=3)
         assert exports and max(exports) == 3 and sum(exports) == len(hashes)
         assert [h.hash_bytes for h in handles] == hashes and len(chain) == len(hashes)
+        assert await loop.call(lambda e: e.leases.newest_first()) == []  # every window's lease was let go
         assert await tiers.uploads.join(30)
         stored = tiers.l3.load_prefix(namespace_for(SALT_A), hashes)
         assert [b.header.block_hash for b in stored] == hashes
