@@ -80,12 +80,15 @@ async def take_pulls(ctx: ServiceContext, commands: CommandHandler) -> None:
     off here: shared/serving/prefill_stream.py) are applied as prefetches, one at a time, in order."""
     order = asyncio.Lock()
 
-    async def apply(cmd: Retain) -> None:
+    async def apply(cmd: Retain, pull_id: str) -> None:
         async with order:
             try:
-                await commands.retain(cmd)
+                got = await commands.retain(cmd)
             except Exception as exc:  # noqa: BLE001 - advice: the DecodeJob fetches what this did not
-                log.warning("pull failed", error=repr(exc))
+                log.warning("pull failed", pull=pull_id, error=repr(exc))
+                return
+        log.info("pulled", pull=pull_id, owner=cmd.owner, blocks=len(cmd.hashes), fetched=got.prefetched,
+                 held=got.retained)
 
     async def on_pull(msg) -> None:
         try:
@@ -93,7 +96,8 @@ async def take_pulls(ctx: ServiceContext, commands: CommandHandler) -> None:
         except ProtocolError as exc:
             log.warning("unreadable pull ignored", error=str(exc))
             return
-        pending.add(task := asyncio.create_task(apply(cmd)))
+        pull_id = (msg.headers or {}).get(subjects.HDR_MSG_ID, "")
+        pending.add(task := asyncio.create_task(apply(cmd, pull_id)))
         task.add_done_callback(pending.discard)
 
     pending: set[asyncio.Task] = set()

@@ -119,6 +119,7 @@ class UploadQueue:
     # waits, up to `max_defer_s` past its due time, so uploads go in the gaps between requests.
     busy: Callable[[], bool] | None = None
     max_defer_s: float = 10.0
+    holding: bool = field(default=False, init=False)  # a due chunk is waiting for the worker to be idle
     _ready: deque[_Chunk] = field(default_factory=deque, init=False, repr=False)
     _waiting: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # tails, due order
     _queued: dict[tuple[str, bytes], _Chunk] = field(default_factory=dict, init=False, repr=False)  # not started
@@ -304,11 +305,12 @@ class UploadQueue:
     async def _wait_for_quiet(self, chunk: _Chunk) -> None:
         """Hold a chunk while the worker is busy, until `max_defer_s` past its due time (never when draining)."""
         until = chunk.due + self.max_defer_s
-        waited = False
         while self.busy is not None and not self._draining and self.busy() and time.monotonic() < until:
-            waited = True
+            if not self.holding:
+                self.holding = True
+                self.stats.chunks_deferred += 1
             await asyncio.sleep(_QUIET_POLL_S)
-        self.stats.chunks_deferred += waited
+        self.holding = False
 
     def _write(self, chunk: _Chunk) -> ChunkWrite | None:
         """On the upload thread: read the blocks the chunk does not own from the source, then write it;

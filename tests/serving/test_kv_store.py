@@ -1,4 +1,5 @@
-"""store_chain: a chain leaves the engine a window at a time and lands whole in L2 and L3."""
+"""Blocks leaving the engine: `store_chain` lands a chain whole in L2 and L3 a window at a time, and a
+prompt prefilled in several steps hands over each step's blocks (`RequestSpec.on_cached`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import uuid
 
 import nats
 import pytest
+import torch
 from kvmesh.config import EngineSettings, Settings
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.serving.engine_loop import EngineLoop, RequestSpec
+from kvmesh.serving.engine_loop import EngineLoop, RequestSpec, cached_lease
 from kvmesh.serving.kv_store import store_chain
 from kvmesh.serving.worker_tiers import WorkerTiers, namespace_for
 
@@ -55,4 +57,30 @@ async def test_a_chain_exported_in_windows_lands_whole(tiny_loaded, nats_server,
     finally:
         await tiers.close()
         await nc.drain()
+        loop.stop()
+
+
+async def test_a_prompt_prefilled_in_steps_hands_over_each_steps_blocks_as_leased_views(tiny_loaded):
+    """`RequestSpec.on_cached`: after each step, the prompt blocks it cached, in chain order, as views of the
+    pool that hold its bytes; the final step's blocks (and the output's) are not handed over."""
+    salt = bytes.fromhex(SALT_A)
+    prompt = tiny_loaded.tokenizer.encode(TEXT)
+    engine = Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256,
+                                                max_num_batched_tokens=2 * BLOCK_SIZE))
+    loop = EngineLoop(engine)
+    loop.start()
+    seen: list[list] = []
+    try:
+        spec = RequestSpec("r", prompt, SamplingParams(max_tokens=1), salt, on_cached=seen.append)
+        await loop.run_request(spec, lambda _: None)
+        hashes = await loop.call(lambda e: e.block_hashes(prompt, salt))
+        got = [kb for step in seen for kb in step]
+        assert len(seen) >= 3 and all(len(step) == 2 for step in seen)  # two blocks a step, in order
+        assert [kb.block_hash for kb in got] == hashes[:len(got)] and len(got) < len(hashes)
+        copies = await loop.call(lambda e: e.export_blocks(hashes[:len(got)]))
+        assert all(torch.equal(v.data, c.data) for v, c in zip(got, copies, strict=True))
+        assert await loop.call(lambda e: e.leases.newest_first()) == [cached_lease("r")]
+        loop.release_lease(cached_lease("r"))
+        assert await loop.call(lambda e: e.leases.newest_first()) == []
+    finally:
         loop.stop()

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sys
+import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import replace
 
+from kvmesh.background import LOWEST_PRIORITY, HostIdle, thread_nice
 from kvmesh.cache_policy.registry import get_policy
 from kvmesh.serving.worker_tiers import L2Source, WorkerTiers, namespace_for
 from kvmesh.tiers.arena import HeapArena
@@ -26,6 +29,7 @@ from kvmesh.tiers.s3_client import fast_fail_client
 from kvmesh.tiers.shm_slab import SlabArena
 from kvmesh.tiers.upload_queue import UploadQueue
 from kvmesh.transfer.peer_shm import ShmPeerClient
+from waits import until
 
 SALT = "5a" * 32
 NS = namespace_for(SALT)
@@ -243,3 +247,51 @@ async def test_a_tail_left_alone_lands_after_the_delay(s3_server, make_chain, fp
         assert len(store.load_prefix(NS, [b.block_hash for b in blocks])) == K + 2
     finally:
         await tiers.close()
+
+
+async def test_uploads_wait_while_the_worker_is_busy_and_run_at_the_lowest_priority(s3_server, make_chain, fp) -> None:
+    """A due chunk waits while `busy` says so (a request running, a chain being stored), then goes on the
+    queue's own nice-19 thread; past `max_defer_s` it goes anyway, so a steady load delays uploads, never loses them."""
+    store = _store(s3_server, fp)
+    tiers = _worker(store, fp)
+    queue = tiers.uploads
+    busy = asyncio.Event()
+    busy.set()
+    queue.busy = busy.is_set
+    threads: list[int] = []
+    write_chunk = store.write_chunk
+    store.write_chunk = lambda *a, **kw: threads.append(threading.get_native_id()) or write_chunk(*a, **kw)
+    try:
+        session = make_chain(2 * K, seed=7)
+        _register(tiers, session)
+        await until(lambda: queue.holding, 10, "the first chunk held while the worker is busy")
+        assert store.client.calls["put"] == 0 and queue.pending_chunks == 2
+        busy.clear()
+        assert await queue.join(timeout_s=30)
+        assert store.client.calls["put"] == 2 and queue.stats.chunks_deferred >= 1
+        assert threads and threading.get_native_id() not in threads
+        if sys.platform == "linux":
+            assert {thread_nice(t) for t in threads} == {LOWEST_PRIORITY}
+
+        queue.max_defer_s = 0.0  # a worker that is never idle still uploads
+        busy.set()
+        _register(tiers, make_chain(K, seed=8))
+        assert await queue.join(timeout_s=30) and store.client.calls["put"] == 3
+    finally:
+        await tiers.close()
+
+
+def test_host_idle_reads_the_share_of_idle_cpu_time(tmp_path) -> None:
+    stat = tmp_path / "stat"
+
+    def write(user: int, idle: int) -> None:
+        stat.write_text(f"cpu  {user} 0 0 {idle} 0 0 0 0 0 0\ncpu0 {user} 0 0 {idle} 0 0 0 0 0 0\n")
+
+    write(100, 100)
+    host = HostIdle(min_idle=0.5, path=str(stat))
+    write(190, 110)  # 90 of 100 jiffies busy
+    assert host.busy()
+    assert host.busy()  # no time passed: the last answer
+    write(200, 200)  # 10 busy, 90 idle
+    assert not host.busy()
+    assert not HostIdle(path=str(tmp_path / "absent")).busy()  # no /proc: never busy
