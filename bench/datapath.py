@@ -156,7 +156,25 @@ async def run(cfg: DatapathConfig, progress: Progress) -> dict:
     out |= writes
     out["beats_h200_recompute"] = {t: out[f"{t}_vs_h200_recompute"] < 1 for t in ("l2", "peer", "l3", "handoff")}
     out["h200_recompute_model"] = describe(geo, len(hashes) * block_size, cfg.mfu)
+    out["product_path"] = PRODUCT_PATH
     return out
+
+
+# Where each row sits on the path a request takes through `kvmesh up` (a part, not the whole: `kvmesh bench
+# handoff` times the handoff as a client sees it, `kvmesh bench peer` the whole request against vLLM).
+PRODUCT_PATH = {
+    "l2": "a worker reaching its own L2 for a prompt's prefix (prefix_reach / kv_fetch), after L1 missed; "
+          "verify + import into the pool, no compute",
+    "peer": "a prefill worker reaching another host's worker's L2 over NATS (prefix_worker / index lookup); "
+            "on one host the same step reads shared memory instead",
+    "l3": "a worker restoring a prefix from object storage (after restarts, or what no worker holds); "
+          "pipelined chunk GETs + import",
+    "handoff": "the decode worker fetching a prompt's whole KV from the prefill worker's L2 after the DecodeJob, "
+               "with no streaming ahead (workers.stream_handoff off); under kvmesh up most of it moves while "
+               "the prompt is still prefilled: see kvmesh bench handoff",
+    "l3_write_amplification": "the L3 upload queue behind every store (off the token path: lowest priority, "
+                              "deferred while a worker serves)",
+}
 
 
 def run_datapath_bench(cfg: DatapathConfig) -> dict:

@@ -67,6 +67,7 @@ class EngineSettings(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     eviction_policy: str = "lru"
+    threads: int = Field(default=0, ge=0)  # torch intra-op threads of a worker's engine; 0: torch's default (cores)
     enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
     pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
     pin_tenant_fraction: float = Field(default=0.25, ge=0.0, le=1.0)  # of the pool one tenant's pins may hold

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+import torch
+
 from kvmesh.background import HostIdle
 from kvmesh.cache_policy.session import SessionAware
 from kvmesh.engine.engine import Engine
@@ -54,6 +56,8 @@ class WorkerRuntime:
         s = ctx.settings
         if s.model_dir is None:
             raise RuntimeError("KVMESH_MODEL_DIR is not set: a worker needs a checkpoint dir")
+        if s.engine.threads:
+            torch.set_num_threads(s.engine.threads)
         loaded = await asyncio.to_thread(load_model, s.model_dir, s.engine.dtype, s.engine.device)
         events = KVEventPublisher(ctx.publisher, ctx.worker_id, s.index)
         await events.start(ctx.nc)  # before the engine stores its first block

@@ -22,6 +22,9 @@ from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.servers import ManagedProcess, spawn_process
 
 
+ENGINE_SERVICES = ("prefill", "decode")
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceSpec:
     name: str  # package directory name, e.g. "prefill"
@@ -88,6 +91,13 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
         env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
     # One box: every worker computes on the same cores, so a handoff frees nothing (routing/placement.py).
     env.setdefault("KVMESH_INGRESS__DECODE_PLACEMENT", "priced")
+    # Thread budget: the engines (prefill, decode) get the cores (on one box requests decode where they
+    # were prefilled, so one engine computes at a time); the other services do no tensor math and get one
+    # thread each for torch and the tokenizer's pool instead of one per core.
+    if worker_id.rsplit("-", 1)[0] not in ENGINE_SERVICES:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("RAYON_NUM_THREADS", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if ctx.nats_users is not None:
         _role, password = ctx.nats_users.users[worker_id]
         env.update(KVMESH_NATS_USER=worker_id, KVMESH_NATS_PASSWORD=password)

@@ -102,3 +102,18 @@ def test_explicit_model_dir_must_be_a_checkpoint(tmp_path: Path) -> None:
                                        ("http://h:8/readyz", 8)])
 def test_host_port_defaults_by_scheme(url: str, port: int) -> None:
     assert host_port(url, 80) == ("h", port)
+
+
+def test_each_service_gets_a_thread_budget(tmp_path, monkeypatch) -> None:
+    """Engines keep the cores; the services that do no tensor math get one torch and one tokenizer thread."""
+    from kvmesh.credentials.s3 import S3Credentials
+    from kvmesh.stack.services import ServiceContext, service_env
+
+    for var in ("OMP_NUM_THREADS", "RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = ServiceContext("nats://127.0.0.1:1", "127.0.0.1:2", "b", S3Credentials("a", "s"), tmp_path, None)
+    for worker in ("ingress-0", "cache_index-0", "eviction-0"):
+        env = service_env(ctx, worker, 1)
+        assert (env["OMP_NUM_THREADS"], env["RAYON_NUM_THREADS"]) == ("1", "1"), worker
+    for worker in ("prefill-0", "decode-1"):
+        assert "OMP_NUM_THREADS" not in service_env(ctx, worker, 1), worker
