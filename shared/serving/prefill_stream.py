@@ -4,13 +4,13 @@ Chunked prefill takes a long prompt in several engine steps. After each one the
 engine hands over the full blocks that step cached, as views of its pool held
 under a lease (`RequestSpec.on_cached`). A `PrefillStream` encodes them
 straight into this worker's L2 (one copy: pool -> shared memory), a window at a
-time so token events and other requests get the event loop in between, and
-then tells the decode worker to pull the chain so far into its own pool and
-hold it there for the `DecodeJob` (a `Retain` with `fetch` and `owner` on the
-decode worker's pull subject, core NATS; applied as a session prefetch is:
-shared/serving/worker_commands.py). When the
-first token is out, most of the prompt is already in decode's pool; the handoff
-itself moves only what the last step cached.
+time so token events and other requests get the event loop in between. Then it
+tells the decode worker to pull the chain so far into its own pool and hold it
+there for the `DecodeJob`: a `Retain` with `fetch` and `owner` on the decode
+worker's pull subject (core NATS), applied as a session prefetch is
+(shared/serving/worker_commands.py). When the first token is out, most of the
+prompt is already in decode's pool; the handoff itself moves only what the
+last step cached.
 
 All of it is best effort. A block that did not make it (L2 full of pins, a
 pull that lost a race with the DecodeJob, an evicted pin) is fetched or

@@ -45,8 +45,8 @@ import asyncio
 import enum
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -200,9 +200,9 @@ class UploadQueue:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        if self._executor is not None:  # a chunk being copied out of L2 finishes before L2 can close
+            executor, self._executor = self._executor, None
+            await asyncio.to_thread(executor.shutdown, wait=True)
 
     # -- queueing ----------------------------------------------------------
 
