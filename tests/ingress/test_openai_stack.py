@@ -155,6 +155,33 @@ def test_stop_seed_and_token_limits(stack: ServingStack) -> None:
     assert c.chat.completions.create(**sampled).choices[0].message.content == one  # same seed, same tokens
 
 
+def test_ignore_eos_decodes_past_the_end_of_sequence(stack: ServingStack) -> None:
+    """vLLM's `ignore_eos` extra parameter: the same tokens as the engine asked the same, to `max_tokens`."""
+    import itertools
+
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling import SamplingParams
+
+    loaded = load_model(stack.model_dir)
+    engine = Engine(loaded, EngineSettings(num_blocks=256))
+    words = "sea wave fox stop end over the night".split()
+    for prompt in (" ".join(w) for w in itertools.product(words, repeat=3)):  # one whose answer ends early
+        ids = loaded.tokenizer.encode(prompt)
+        ends = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
+        if ends.finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no prompt of the list makes the tiny model end early")
+    past = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    c = client(stack)
+    plain = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=16, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == len(ends.token_ids) < 16
+    got = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=16, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 16
+    assert got.choices[0].text == past.text
+
 def test_metrics_and_headers(stack: ServingStack) -> None:
     import httpx
 
@@ -190,30 +217,3 @@ def test_sigterm_drains_open_streams(stack: ServingStack) -> None:
     assert first.choices[0].text or rest
     assert stack.procs["ingress-0"].proc.wait(timeout=30) == 0
 
-
-def test_ignore_eos_decodes_past_the_end_of_sequence(stack: ServingStack) -> None:
-    """vLLM's `ignore_eos` extra parameter: the same tokens as the engine asked the same, to `max_tokens`."""
-    import itertools
-
-    from kvmesh.engine.engine import Engine
-    from kvmesh.engine.loader import load_model
-    from kvmesh.engine.sampling import SamplingParams
-
-    loaded = load_model(stack.model_dir)
-    engine = Engine(loaded, EngineSettings(num_blocks=256))
-    words = "sea wave fox stop end over the night".split()
-    for prompt in (" ".join(w) for w in itertools.product(words, repeat=3)):  # one whose answer ends early
-        ids = loaded.tokenizer.encode(prompt)
-        ends = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
-        if ends.finish_reason == "stop":
-            break
-    else:
-        pytest.fail("no prompt of the list makes the tiny model end early")
-    past = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
-    c = client(stack)
-    plain = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=16, temperature=0)
-    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == len(ends.token_ids) < 16
-    got = c.completions.create(model=stack.model_dir.name, prompt=prompt, max_tokens=16, temperature=0,
-                               extra_body={"ignore_eos": True})
-    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 16
-    assert got.choices[0].text == past.text
