@@ -47,7 +47,6 @@ class PrefillStream:
     hold_s: float  # how long the decode worker keeps what it pulled
     session_id: str | None = None
     stored: int = 0  # leading blocks of the chain this stream put into L2
-    pulls: int = 0  # pull commands sent
     _pending: list[KVBlock] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _closing: bool = False
@@ -108,4 +107,3 @@ class PrefillStream:
         cmd = Retain(hashes=[h.hex() for h in self.hashes[:self.stored]], until=time.time() + self.hold_s, fetch=True,
                      tenant_salt=self.tenant_salt, session_id=self.session_id or "", owner=self.owner)
         await self.publisher.send(subjects.pull(self.decode_worker), cmd, msg_id=f"{self.request_id}:pull:{self.stored}")
-        self.pulls += 1
