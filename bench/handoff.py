@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 from kvmesh.bench import peer_workloads as wl
-from kvmesh.bench.peer_breakdown import prefill_spans
+from kvmesh.bench.peer_breakdown import handoff_and_tpot, logged, prefill_spans
 from kvmesh.bench.peer_drive import Timing, send
 from kvmesh.sim.recompute_model import GEOMETRIES, describe, recompute_s
 
@@ -101,15 +101,8 @@ def decode_spans(log_dir: Path) -> dict[str, dict]:
     """request hex -> decode-0's `decode blocks resolved` line: `ms` (fetching the handed-off blocks after the
     DecodeJob) and `sources` (blocks per tier; L1: in its pool already, e.g. pulled while the prompt was prefilled)."""
     out: dict[str, dict] = {}
-    for path in sorted(log_dir.glob("decode-*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if '"decode blocks resolved"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.setdefault(str(rec.get("request_id", "")).removeprefix("req_"), rec)
+    for rec in logged(log_dir, "decode-*.log", ("decode blocks resolved",)):
+        out.setdefault(rec["request_id"].removeprefix("req_"), rec)
     return out
 
 
@@ -119,11 +112,10 @@ def _request_hex(t: Timing) -> str:
 
 def turn_row(t: Timing, held_blocks: int, block_bytes: int, geo_name: str, mfu: float) -> dict:
     """One turn's figures; `held_blocks`: full blocks decode-0 kept from the turn before."""
-    gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
-    if not t.ok or len(gaps) < 3:
+    timed = handoff_and_tpot(t) if t.ok else None
+    if timed is None:
         return {"error": t.error or f"{len(t.token_times)} tokens streamed: too few to time the handoff"}
-    tpot = statistics.median(gaps[1:])
-    handoff = gaps[0] - tpot  # at or below 0 (noise): token 2 came no later than a steady token
+    handoff, tpot = timed  # handoff at or below 0 (noise): token 2 came no later than a steady token
     moved = max(0, t.prompt_tokens // BLOCK_TOKENS - held_blocks) * block_bytes
     copy = memcpy_s(moved, block_bytes)
     timed = handoff > MIN_TIMED_S

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -30,20 +31,26 @@ STAGES = ("to_prefill", "reach", "engine", "token0", "token1_delivery", "handoff
 LINES = ("prefilled", "decoded here")
 
 
-def prefill_spans(log_dir: Path) -> dict[str, tuple[float, dict]]:
-    """request hex -> (the worker's line's epoch seconds, its ms spans); the first attempt's line."""
-    out: dict[str, tuple[float, dict]] = {}
-    for path in sorted(log_dir.glob("prefill-*.log")):
+def logged(log_dir: Path, pattern: str, events: tuple[str, ...]) -> Iterator[dict]:
+    """The JSON log records of `events` with a request id, from the service logs matching `pattern`."""
+    for path in sorted(log_dir.glob(pattern)):
         for line in path.read_text(errors="replace").splitlines():
-            if not any(f'"{event}"' in line for event in LINES):
+            if not any(f'"{event}"' in line for event in events):
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("event") in LINES and rec.get("request_id", "").startswith("req_"):
-                at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
-                out.setdefault(rec["request_id"].removeprefix("req_"), (at, rec.get("ms") or {}))
+            if rec.get("event") in events and str(rec.get("request_id", "")).startswith("req_"):
+                yield rec
+
+
+def prefill_spans(log_dir: Path) -> dict[str, tuple[float, dict]]:
+    """request hex -> (the worker's line's epoch seconds, its ms spans); the first attempt's line."""
+    out: dict[str, tuple[float, dict]] = {}
+    for rec in logged(log_dir, "prefill-*.log", LINES):
+        at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+        out.setdefault(rec["request_id"].removeprefix("req_"), (at, rec.get("ms") or {}))
     return out
 
 
@@ -53,11 +60,20 @@ def request_stages(t: Timing, line: tuple[float, dict]) -> dict[str, float]:
     started = at - sum(float(v) for v in ms.values()) / 1000
     token1_out = started + span["reach"] + span["engine"] + span["token0"]
     stages = {"to_prefill": started - t.sent, **span, "token1_delivery": t.token_times[0] - token1_out}
-    gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
-    if len(gaps) >= 3:
-        steady = statistics.median(gaps[1:])
-        stages |= {"handoff": gaps[0] - steady, "tpot": steady}
+    timed = handoff_and_tpot(t)
+    if timed is not None:
+        stages |= {"handoff": timed[0], "tpot": timed[1]}
     return stages
+
+
+def handoff_and_tpot(t: Timing) -> tuple[float, float] | None:
+    """(the gap between tokens 1 and 2 beyond a steady token, the steady token: the median later gap);
+    None with fewer than 4 tokens."""
+    gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    if len(gaps) < 3:
+        return None
+    steady = statistics.median(gaps[1:])
+    return gaps[0] - steady, steady
 
 
 def breakdown(timings: list[Timing], log_dir: Path) -> dict:

@@ -54,7 +54,6 @@ class PrefillStream:
 
     def __post_init__(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
-        self.tiers.storing += 1  # until close: the L3 uploads wait (shared/tiers/upload_queue.py)
 
     def add(self, blocks: list[KVBlock]) -> None:
         """The next leading blocks of the chain (pool views under the engine's lease); on the event loop."""
@@ -70,19 +69,18 @@ class PrefillStream:
             await self._task
         except Exception as exc:  # noqa: BLE001 - best effort: the DecodeJob's resolve covers what is missing
             log.warning("prefill stream failed", request_id=self.request_id, error=repr(exc))
-        finally:
-            self.tiers.storing -= 1
 
     async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._pending:
-                blocks, self._pending = self._pending, []
-                if await self._store(blocks):
-                    await self._pull()
-            elif self._closing:
-                return
+        with self.tiers.storing_chain():  # until closed: the L3 uploads wait (shared/tiers/upload_queue.py)
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._pending:
+                    blocks, self._pending = self._pending, []
+                    if await self._store(blocks):
+                        await self._pull()
+                elif self._closing:
+                    return
 
     async def _store(self, blocks: list[KVBlock]) -> bool:
         """Register `blocks` (the chain's next run) in L2 window by window; whether the chain grew."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvmesh.bench.peer import PeerConfig, build_workloads, compare, peer_version
-from kvmesh.bench.peer_breakdown import STAGES, breakdown
+from kvmesh.bench.peer_breakdown import STAGES, breakdown, prefill_spans
 from kvmesh.bench.peer_drive import Timing, send, summary
 from kvmesh.bench.peer_workloads import CONTEXT_ROOM, Call
 from kvmesh.bench.serve import KEY, ServeBenchConfig, running_stack
@@ -18,6 +18,7 @@ from kvmesh.engine.presets import write_preset
 from kvmesh.engine.tokenizer import Tokenizer
 from openai import AsyncOpenAI
 from typer.testing import CliRunner
+from waits import until_sync
 
 
 def test_without_a_vllm_python_it_says_how_to_make_one_and_exits_2() -> None:
@@ -83,6 +84,8 @@ def test_the_breakdown_joins_the_prefill_workers_log_lines(tiny_model_dir: Path,
     with running_stack(tiny_model_dir, ServeBenchConfig(model_dir=tiny_model_dir), True, _Quiet(),
                        {"KVMESH_LOG_LEVEL": "info"}, state) as url:
         timings = asyncio.run(two(url))
+        # a request decoded on its prefill worker logs its line after its store, which follows the final event
+        until_sync(lambda: len(prefill_spans(state / "logs")) == 2, 30, "both requests' prefill-worker lines")
         parts = breakdown(timings, state / "logs")
     assert all(t.ok for t in timings) and timings[1].cached_tokens > 0
     stages = parts["w"]
