@@ -67,9 +67,9 @@ class CachePin(Message):
 
 
 class PrefillJob(Message):
-    # 2: `prefix_worker`; 3: `sampling.constraint` (a new field is a new wire format: strict parsing
-    # rejects fields it does not know)
-    SCHEMA_VERSION = 3
+    # 2: `prefix_worker`; 3: `sampling.constraint`; 4: `l3_blocks` (a new field is a new wire format:
+    # strict parsing rejects fields it does not know)
+    SCHEMA_VERSION = 4
 
     request_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
@@ -85,6 +85,9 @@ class PrefillJob(Message):
     # Another worker whose L1/L2 holds a longer leading run of the prompt than this one (cache index,
     # at routing): prefill fetches the missing blocks from it over the network peer path.
     prefix_worker: str | None = None
+    # How many leading blocks of the prompt's chain L3 holds, per the ready cache index the ingress asked
+    # at routing (None: it had no ready answer). Prefill uses it instead of asking the index again.
+    l3_blocks: int | None = Field(default=None, ge=0)
 
 
 class DecodeJob(Message):

@@ -98,7 +98,8 @@ class PrefillWorker:
             # in the pool until the request runs (it adopts the lease) or the lease is released.
             reach = await reach_prefix(engine, self.rt.tiers, peers, job.prompt_ids, job.tenant_salt,
                                        self.publisher.nc, prefix_worker=job.prefix_worker, lease=engine_id,
-                                       inflight=self.settings.resolve_inflight, gate=self.rt.restore_gate)
+                                       inflight=self.settings.resolve_inflight, gate=self.rt.restore_gate,
+                                       l3_blocks=job.l3_blocks)
             if self.ledger.stale(job.request_id, job.attempt):
                 return
             if job.decode_worker == self.worker_id and not job.prefill_only:

@@ -58,9 +58,11 @@ class Reach:
 
 async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequence[str], prompt_ids: list[int],
                        tenant_salt: str, nc: NATS | None = None, prefix_worker: str | None = None,
-                       lease: str | None = None, inflight: int = _INFLIGHT, gate: RestoreGate | None = None) -> Reach:
+                       lease: str | None = None, inflight: int = _INFLIGHT, gate: RestoreGate | None = None,
+                       l3_blocks: int | None = None) -> Reach:
     """With `nc`, the cache index is asked (while the host tiers are looked at) how far L3 holds the chain;
     a ready index that knows of nothing past a window's start saves its L3 GETs. No answer: ask L3.
+    `l3_blocks`: that answer, already asked at routing (the job carries it); the index is not asked again.
 
     The reached blocks are in the engine already (under `lease`, when given: release it with
     `EngineLoop.release_lease` if the request is never added).
@@ -79,7 +81,10 @@ async def reach_prefix(engine: EngineLoop, tiers: WorkerTiers, peer_ids: Sequenc
     if shm_peers:
         sources.append(PeerSource(tiers.shm_peers, lambda p: shm_peers))
     if tiers.l3 is not None:
-        known_end = _ask_index(nc, tiers, tenant_salt, hashes) if nc is not None else None
+        if l3_blocks is not None:
+            known_end = _answered(l3_blocks)
+        else:
+            known_end = _ask_index(nc, tiers, tenant_salt, hashes) if nc is not None else None
         # A chain that ends inside a chunk is found only by probing each possible end (a GET each):
         # worth it when the prompt's start is not here (restart, another host), not for the fresh tail
         # of a conversation whose earlier turns were local.
@@ -108,6 +113,13 @@ def _ask_index(nc: NATS, tiers: WorkerTiers, tenant_salt: str,
     async def known_end() -> int | None:
         reply = await asyncio.shield(index)
         return reply.l3_blocks if reply is not None and reply.ready else None
+
+    return known_end
+
+
+def _answered(l3_blocks: int) -> Callable[[], Awaitable[int | None]]:
+    async def known_end() -> int | None:
+        return l3_blocks
 
     return known_end
 

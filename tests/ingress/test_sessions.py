@@ -107,6 +107,7 @@ async def test_tracker_counts_a_lost_event_and_still_remembers_the_turn() -> Non
 
     prompt = list(range(100, 100 + 2 * BLOCK + 3))
     first = tracker.begin(admitted("req_1"), given, prompt, ToolEvidence())
+    tracker.announce(first)
     assert first.ref.source is Source.NEW and first.ref.client_id == "auto-1"
     tracker.finish(first, [7, 8, 9, 2], [7, 8, 9], "stop", "decode-0")  # does not raise
     await tracker.drain(10.0)

@@ -15,9 +15,12 @@ from datetime import UTC, datetime
 import nats
 import pytest
 from kvmesh.bus.publish import Publisher
+from kvmesh.bus.request import serve
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import BusSettings, IngressSettings
 from kvmesh.ingress.core.errors import ErrorKind
 from kvmesh.ingress.core.types import GatewayError, GenerationRequest
+from kvmesh.ingress.routing.prefix_locator import PrefixLocator
 from kvmesh.ingress.routing.workers import WorkerTable
 from kvmesh.ingress.supervision.gateway import Gateway
 from kvmesh.protocol import subjects
@@ -31,6 +34,7 @@ from kvmesh.protocol.serving import (
 )
 from kvmesh.protocol.streams import declare_all
 from kvmesh.service.watch import Change, WorkerChange
+from prometheus_client import CollectorRegistry
 
 
 def _up(table: WorkerTable, worker: str, role: Role) -> None:
@@ -204,3 +208,48 @@ async def test_a_resumed_zombie_is_fenced_and_its_worker_told_to_stop(gateway: G
     assert aborts == [(subjects.abort(replaced), AbortRequest(request_id=rid, attempt=0, reason="migrated"))]
     # an unseeded sampled request got one seed at the ingress, and the migrated attempt carries the same one
     assert prefill.sampling.seed is not None and migration.sampling.seed == prefill.sampling.seed
+
+
+async def test_the_job_carries_the_index_answer_and_dispatch_is_told_once(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """Routing asks the cache index once; each attempt's PrefillJob carries its L3 answer (the worker does not
+    ask again), and `on_dispatched` runs once, after the first job is on the bus, not again for the retry."""
+    nc = await nats.connect(nats_server.url)
+    await declare_all(nc.jetstream())
+    table = WorkerTable()
+    for worker, role in (("ix-p0", Role.PREFILL), ("ix-p1", Role.PREFILL), ("ix-d0", Role.DECODE)):
+        _up(table, worker, role)
+
+    async def lookup(req: LookupRequest) -> LookupReply:
+        return LookupReply(workers=[], l3_blocks=len(req.hashes) - 1, indexed_blocks=9, ready=True)
+
+    responder = await serve(nc, subjects.INDEX_LOOKUP, LookupRequest, lookup, queue="cache-index")
+    locator = PrefixLocator.create(nc, "fp", 2, 1.0, CollectorRegistry())
+    gateway = Gateway(nc, Publisher(nc.jetstream(), BusSettings()), table, IngressSettings(), str, locator=locator)
+    rid = f"ix-{time.monotonic_ns()}"
+    jobs: list[PrefillJob] = []
+    dispatched: list[int] = []
+
+    async def on_job(msg) -> None:  # type: ignore[no-untyped-def]
+        job = PrefillJob.from_bytes(msg.data)
+        if job.request_id != rid:
+            return
+        jobs.append(job)
+        if job.attempt == 0:  # a retriable failure: the retry is routed (and told the answer) again
+            await nc.publish(subjects.tokens(rid), _event(rid, 0, [], error="hiccup", finished=True,
+                                                          finish_reason="error"))
+        else:
+            await nc.publish(subjects.tokens(rid), _event(rid, 0, [5], attempt=job.attempt, finished=True,
+                                                          finish_reason="stop"))
+
+    sub = await nc.subscribe(subjects.JOBS_ALL, cb=_spawning(on_job))
+    try:
+        req = GenerationRequest(rid, "t", "00", [1, 2, 3, 4, 5, 6, 7], SamplingSpec(max_tokens=1),
+                                on_dispatched=lambda: dispatched.append(len(jobs)))
+        done = await gateway.complete(req)
+    finally:
+        await sub.unsubscribe()
+        await responder.drain()
+        await nc.close()
+    assert done.token_ids == [5]
+    assert [(j.attempt, j.l3_blocks) for j in jobs] == [(0, 2), (1, 2)]  # 3 full blocks, the index says 2 in L3
+    assert len(dispatched) == 1

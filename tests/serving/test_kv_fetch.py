@@ -181,7 +181,7 @@ async def test_prefill_reaches_the_named_worker_then_l3(tiny_loaded, nats_server
     nc = await nats.connect(nats_server.url)
     owner = await WorkerTiers.start(settings, nc, "owner", fp, BLOCK_SIZE)
     here = await WorkerTiers.start(settings, nc, "here", fp, BLOCK_SIZE)
-    loops = [EngineLoop(Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))) for _ in range(2)]
+    loops = [EngineLoop(Engine(tiny_loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=256))) for _ in range(3)]
     for loop in loops:
         loop.start()
     try:
@@ -201,6 +201,20 @@ async def test_prefill_reaches_the_named_worker_then_l3(tiny_loaded, nats_server
         out = await loops[1].run_request(RequestSpec("q", prompt, SamplingParams(max_tokens=MAX_TOKENS), salt),
                                          lambda _: None)
         assert out.cached_tokens == usable * BLOCK_SIZE and out.token_ids == reference(prompt, MAX_TOKENS)
+
+        # The job carries the index's answer from routing (PrefillJob.l3_blocks: the first chunk, 4 blocks):
+        # the GETs stop there, and the index is not asked again.
+        asked: list[bytes] = []
+
+        async def count(msg) -> None:
+            asked.append(msg.data)
+
+        await nc.subscribe(subjects.INDEX_LOOKUP, cb=count)
+        reach = await reach_prefix(loops[2], here, [], prompt, SALT_A, nc, lease="s", l3_blocks=4)
+        assert reach.sources == Counter({Tier.L1: 0, Tier.L3: 4})
+        await nc.flush()  # a lookup sent during the reach would be delivered to `count` before the flush returns
+        assert asked == []
+        loops[2].release_lease("s")
     finally:
         for loop in loops:
             loop.stop()

@@ -7,6 +7,7 @@ its `Usage` as events arrive, and a failure that supervision cannot repair is a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.ingress.core.errors import ErrorKind
@@ -27,6 +28,9 @@ class GenerationRequest:
     pins: list[CachePin] = field(default_factory=list)
     prefill_only: bool = False  # named-cache creation: store the prompt's blocks, generate nothing
     block_hashes: list[bytes] | None = None  # the prompt's full blocks as the workers hash them, if known
+    # Called once the first PrefillJob is on the bus: what the request's own path need not wait for
+    # (the session's turn-started event) goes out then, instead of competing with the job for the cores.
+    on_dispatched: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)

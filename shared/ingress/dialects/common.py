@@ -50,6 +50,7 @@ def generation_request(adm: Admitted, prompt_ids: list[int], sampling: SamplingS
         prompt_ids=prompt_ids, sampling=sampling, session_id=session,
         affinity_key=(cache_key or session) if turn is not None else None, pins=list(pins),
         prefill_only=prefill_only, block_hashes=turn.prompt_hashes if named else None,
+        on_dispatched=(lambda: adm.state.sessions.announce(turn)) if turn is not None else None,
     )
 
 

@@ -106,7 +106,7 @@ async def setup(ctx: ServiceContext) -> None:
     traffic = state.sessions.traffic = TrafficRecorder(ctx.publisher, ctx.worker_id, ctx.metrics.registry)
     app = create_app(state)  # metrics stay on the runner's side port (service.http_port), off the public API
     server = _Server(uvicorn.Config(app, host=settings.ingress.host, port=settings.ingress.port,
-                                   log_config=None, access_log=False, lifespan="off",
+                                   log_config=None, access_log=False, lifespan="off", http="httptools",
                                    timeout_graceful_shutdown=max(1, int(settings.service.drain_timeout_s))))
     # set first: the runner's side server answers /readyz while this setup is still running
     ctx.ready_check = lambda: server.started and gateway.ready()

@@ -10,10 +10,13 @@ A dialect route calls, in order:
    The tenant-scoped id goes into the job (and so the workers' KV events);
    logs carry the client's id as `session_id` (as the middleware bound the
    header), with `scoped_session_id` and `session_source`; the client's id
-   comes back in the response's `x-session-id` header. It also publishes
-   the turn's ``started`` event (msg id `<request_id>:start`), so the
-   eviction service and the workers hold the session as in use while its
-   job waits in a queue (shared/sessions/events.py);
+   comes back in the response's `x-session-id` header;
+2b. `tracker.announce(turn)` once the turn's job is on the bus (the gateway calls
+   it: `GenerationRequest.on_dispatched`): the turn's ``started`` event (msg id
+   `<request_id>:start`), so the eviction service and the workers hold the
+   session as in use while its job waits in a queue (shared/sessions/events.py).
+   It goes out after the job, not before: it would compete with the job for the
+   cores on the request's own path;
 3. `tracker.finish(turn, ..., usage=usage)` when the last token was delivered: the turn's
    chain (prompt + output, full blocks, as the workers hash them) becomes the
    session's anchors for inference and the `SessionEvent` published on
@@ -113,11 +116,11 @@ class SessionTracker:
                                                session_source=ref.source.value)
         turn = Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
                     adm.path, time.monotonic())
-        self._announce(turn)
         return turn
 
-    def _announce(self, turn: Turn) -> None:
-        """Publish the turn's started event (background; a failure costs the signal, never the request)."""
+    def announce(self, turn: Turn) -> None:
+        """Publish the turn's started event (background; a failure costs the signal, never the request).
+        Called once the turn's job is on the bus (`GenerationRequest.on_dispatched`), not by `begin`."""
         try:
             named = self.hasher.named and bool(turn.prompt_hashes)
             chain = Chain(turn.prompt_hashes[-1].hex() if named else None, len(turn.prompt_hashes) if named else 0)

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import nats.errors
 from kvmesh.bus.publish import Publisher, PublishError
+from kvmesh.cache_index.messages import LookupReply
 from kvmesh.config import IngressSettings
 from kvmesh.ingress.core.errors import ErrorKind
 from kvmesh.ingress.core.types import GatewayError, GenerationRequest, Usage
@@ -230,31 +231,33 @@ class RequestRun:
             raise GatewayError(ErrorKind.OVERLOADED, f"no live {role} worker")
         return worker
 
-    async def _choose_prefill(self, exclude: tuple[str, ...]) -> tuple[str, str | None]:
+    async def _choose_prefill(self, exclude: tuple[str, ...]) -> tuple[str, LookupReply | None]:
         """Where the prompt's prefix is cheapest to extend (cache index), else by load; see router.py.
 
-        Also the worker to fetch the prefix from, when another one holds more of it in L1/L2."""
+        Also the index's answer (None: not asked, or no answer): who else holds the prefix, how far L3 does."""
         if self.gw.locator is None or self.gw.router.mode != "cost":
             return self._choose(Role.PREFILL, exclude), None
         req, block_size = self.req, self.gw.locator.block_size
         reply = await self.gw.locator.lookup(req.prompt_ids, req.tenant_salt, req.block_hashes)
-        router = self.gw.router
-        worker = router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
-        worker = worker or self._choose(Role.PREFILL, exclude)
-        return worker, router.prefix_holder(reply, worker, exclude)
+        worker = self.gw.router.pick_prefill(len(req.prompt_ids), block_size, reply, req.affinity_key, exclude)
+        return worker or self._choose(Role.PREFILL, exclude), reply
 
     async def _start_prefill(self, exclude: tuple[str, ...]) -> None:
         req = self.req
-        self.prefill_worker, prefix_worker = await self._choose_prefill(exclude)
+        self.prefill_worker, reply = await self._choose_prefill(exclude)
+        prefix_worker = self.gw.router.prefix_holder(reply, self.prefill_worker, exclude)
         self._hold(self.prefill_worker)
         self._place_decode()
         job = PrefillJob(request_id=req.request_id, attempt=self.attempt, session_id=req.session_id,
                          tenant=req.tenant, tenant_salt=req.tenant_salt, prompt_ids=req.prompt_ids,
                          sampling=req.sampling, decode_worker=self.decode_worker, pins=req.pins,
-                         prefill_only=req.prefill_only, deadline=self._deadline, prefix_worker=prefix_worker)
+                         prefill_only=req.prefill_only, deadline=self._deadline, prefix_worker=prefix_worker,
+                         l3_blocks=reply.l3_blocks if reply is not None and reply.ready else None)
         self.usage.prefill_worker, self.usage.decode_worker = self.prefill_worker, self.decode_worker
         self._prefill_sent = time.monotonic()
         await self._publish(subjects.jobs_prefill(self.prefill_worker), job)
+        if self.attempt == 0 and req.on_dispatched is not None:
+            req.on_dispatched()
 
     def _place_decode(self) -> None:
         """The decode worker of this attempt: the prefill worker itself where a handoff does not pay
