@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-POLICY_HELP = "Policy to run (repeatable): default, session, cost, lru, lfu, tinylfu, continuum, belady, infinite."
+POLICY_HELP = ("Policy to run (repeatable): default, session, cost, lru, lfu, tinylfu, continuum, "
+               "s3fifo, arc, belady, infinite.")
 
 
 def _capacity(data, blocks: int | None, fraction: float | None, what: str, required: bool) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.cache_policy.base import EvictionPolicy
 from kvmesh.cache_policy.policy_cache import BlockSpec
+from kvmesh.cache_policy.queue_cache import QueuePolicy
 from kvmesh.cache_policy.session import SessionAware
 from kvmesh.sim.session_driver import SessionDriver
 from kvmesh.sim.tiers import TieredCache
@@ -65,7 +66,7 @@ class ReplayOptions:
     tiers: list[TieredCache] = field(default_factory=list)  # receives the cache, for inspection
 
 
-def replay(trace: Trace, policy: EvictionPolicy, capacity: int, progress: Progress | None = None,
+def replay(trace: Trace, policy: EvictionPolicy | QueuePolicy, capacity: int, progress: Progress | None = None,
            on_request: Callable[[int], None] | None = None, options: ReplayOptions | None = None) -> ReplayResult:
     """Run every request of ``trace`` in order through L1 of ``capacity`` blocks (and L2, per ``options``)."""
     opts = options or ReplayOptions()

@@ -1,8 +1,9 @@
-"""Run several policies (and the two references) over one trace at one or many capacities.
+"""Run several policies (and the references) over one trace at one or many capacities.
 
 Names: the online policies of ``kvmesh.cache_policy.registry`` (the default
-one is reported as ``default``), plus ``belady`` (offline farthest-next-use
-bound, run over both tiers) and ``infinite`` (a cache that never evicts).
+one is reported as ``default``), its queue-structured references (``s3fifo``,
+``arc``), plus ``belady`` (offline farthest-next-use bound, run over both
+tiers) and ``infinite`` (a cache that never evicts).
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvmesh.cache_policy.registry import DEFAULT_POLICY, POLICIES, get_policy
+from kvmesh.cache_policy.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    QUEUE_POLICIES,
+    get_policy,
+    get_queue_policy,
+)
 from kvmesh.sim.belady import BeladyPolicy
 from kvmesh.sim.replay import (
     Progress,
@@ -30,7 +37,7 @@ def report_name(name: str) -> str:
 
 
 def all_names() -> list[str]:
-    return ["default", *(p for p in POLICIES if p != DEFAULT_POLICY), *REFERENCES]
+    return ["default", *(p for p in POLICIES if p != DEFAULT_POLICY), *QUEUE_POLICIES, *REFERENCES]
 
 
 def resolve_names(names: Sequence[str] | None) -> list[str]:
@@ -61,6 +68,8 @@ def run_one(trace: Trace, name: str, capacity: int, options: ReplayOptions | Non
     if name == "belady":
         oracle = BeladyPolicy(trace)
         return replay(trace, oracle, capacity, on_request=oracle.at_request, options=opts)
+    if name in QUEUE_POLICIES:
+        return replay(trace, get_queue_policy(name), capacity, options=opts)
     return replay(trace, get_policy(DEFAULT_POLICY if name == "default" else name), capacity, options=opts)
 
 
