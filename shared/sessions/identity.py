@@ -5,10 +5,11 @@ the request's block chain (shared/ingress/sessions/table.py). Explicit
 sources, first present wins:
 
 1. the `x-session-id` header (both dialects);
-2. OpenAI `metadata.session_id`;
-3. OpenAI `prompt_cache_key`;
-4. OpenAI `safety_identifier`, then `user` (an end user: coarser than a conversation);
-5. Anthropic `metadata.user_id`.
+2. NVIDIA Dynamo's `x-dynamo-session-id` header (both dialects);
+3. OpenAI `metadata.session_id`;
+4. OpenAI `prompt_cache_key`;
+5. OpenAI `safety_identifier`, then `user` (an end user: coarser than a conversation);
+6. Anthropic `metadata.user_id`.
 
 Only the chosen value is validated (1-256 printable characters; an empty
 string counts as absent): a bad one is a `SessionInputError`, which the
@@ -17,11 +18,11 @@ published. A session id is scoped to its tenant: `scoped_session_id(tenant,
 client_id)` is what jobs, KV events and session events carry, so two tenants
 using the same id are two sessions; the client's own id stays in the logs.
 
-Hints (both optional; a header wins over the body extension):
+Hints (both optional; a header wins over the body extension, which wins
+over the same hint in another system's format, shared/sessions/foreign_hints.py):
 `x-kvmesh-expected-return-ms` / `"kvmesh": {"expected_return_ms": N}` (when
-the client expects to send the next turn, like Dynamo's agent hints) and
-`x-kvmesh-session-end: true` / `"kvmesh": {"session_end": true}` (this is
-the session's last turn).
+the client expects to send the next turn) and `x-kvmesh-session-end: true` /
+`"kvmesh": {"session_end": true}` (this is the session's last turn).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ MAX_ID_CHARS = 256
 MAX_RETURN_MS = 7 * 24 * 3600 * 1000  # a week: beyond that a hint says nothing a cache can use
 
 HDR_SESSION = "x-session-id"
+HDR_DYNAMO_SESSION = "x-dynamo-session-id"  # NVIDIA Dynamo's name for the same thing
 HDR_EXPECTED_RETURN = "x-kvmesh-expected-return-ms"
 HDR_SESSION_END = "x-kvmesh-session-end"
 BODY_EXTENSION = "kvmesh"
@@ -56,6 +58,7 @@ class Source(StrEnum):
     """Where a request's session came from (a metric label: a bounded set)."""
 
     HEADER = "header"
+    DYNAMO_HEADER = "x-dynamo-session-id"
     METADATA = "metadata.session_id"
     PROMPT_CACHE_KEY = "prompt_cache_key"
     SAFETY_IDENTIFIER = "safety_identifier"
@@ -134,6 +137,7 @@ def explicit_openai(headers: Mapping[str, str], body: Mapping[str, Any]) -> tupl
         raise SessionInputError("metadata: must be an object of strings", "metadata")
     return _first([
         (Source.HEADER, HDR_SESSION, headers.get(HDR_SESSION)),
+        (Source.DYNAMO_HEADER, HDR_DYNAMO_SESSION, headers.get(HDR_DYNAMO_SESSION)),
         (Source.METADATA, "metadata.session_id", (metadata or {}).get("session_id")),
         (Source.PROMPT_CACHE_KEY, "prompt_cache_key", body.get("prompt_cache_key")),
         (Source.SAFETY_IDENTIFIER, "safety_identifier", body.get("safety_identifier")),
@@ -142,12 +146,13 @@ def explicit_openai(headers: Mapping[str, str], body: Mapping[str, Any]) -> tupl
 
 
 def explicit_anthropic(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[Source, str] | None:
-    """The session an Anthropic request names: the header, else `metadata.user_id`; None: none named."""
+    """The session an Anthropic request names: a header, else `metadata.user_id`; None: none named."""
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise SessionInputError("metadata: must be an object", "metadata")
     return _first([
         (Source.HEADER, HDR_SESSION, headers.get(HDR_SESSION)),
+        (Source.DYNAMO_HEADER, HDR_DYNAMO_SESSION, headers.get(HDR_DYNAMO_SESSION)),
         (Source.ANTHROPIC_USER, "metadata.user_id", (metadata or {}).get("user_id")),
     ])
 
@@ -169,8 +174,10 @@ def _flag(value: Any, param: str) -> bool:
     raise SessionInputError(f"{param}: must be true or false", param)
 
 
-def hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionHints:
-    """The client's hints from the headers and the `kvmesh` body extension; SessionInputError if malformed."""
+def hints(headers: Mapping[str, str], body: Mapping[str, Any], fallback: SessionHints = SessionHints()
+          ) -> SessionHints:
+    """The client's hints from the headers and the `kvmesh` body extension, each one falling back to
+    `fallback` (the foreign formats' hints) where kvmesh's own say nothing; SessionInputError if malformed."""
     ext = body.get(BODY_EXTENSION)
     if ext is None:
         ext = {}
@@ -180,12 +187,12 @@ def hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionHints:
     if unknown:
         raise SessionInputError(f"{BODY_EXTENSION}: unknown field {unknown[0]!r} (known: "
                                 f"{', '.join(sorted(_EXTENSION_KEYS))})", f"{BODY_EXTENSION}.{unknown[0]}")
-    ret: int | None = None
+    ret = fallback.expected_return_ms
     if headers.get(HDR_EXPECTED_RETURN) is not None:
         ret = _return_ms(headers[HDR_EXPECTED_RETURN], HDR_EXPECTED_RETURN)
     elif ext.get("expected_return_ms") is not None:
         ret = _return_ms(ext["expected_return_ms"], f"{BODY_EXTENSION}.expected_return_ms")
-    end = False
+    end = fallback.session_end
     if headers.get(HDR_SESSION_END) is not None:
         end = _flag(headers[HDR_SESSION_END], HDR_SESSION_END)
     elif ext.get("session_end") is not None:

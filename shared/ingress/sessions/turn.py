@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from kvmesh.ingress.admission.auth import Principal
 from kvmesh.ingress.core.errors import Dialect, invalid
+from kvmesh.sessions.foreign_hints import foreign_hints
 from kvmesh.sessions.identity import (
     SessionHints,
     SessionInputError,
@@ -41,10 +42,12 @@ class SessionInputs:
 
 
 def inputs(adm: TurnRequest, dialect: Dialect) -> SessionInputs:
-    """The session id the request names and its hints; a malformed one is a 400 (nothing published)."""
+    """The session id the request names and its hints, kvmesh's own first, then vLLM's and Dynamo's
+    (shared/sessions/foreign_hints.py); a malformed one is a 400 (nothing published)."""
     find = explicit_anthropic if dialect is Dialect.ANTHROPIC else explicit_openai
     try:
-        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body))
+        foreign = foreign_hints(adm.headers, adm.body)
+        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body, foreign))
     except SessionInputError as exc:
         raise invalid(exc.message, param=exc.param) from None
 
