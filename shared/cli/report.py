@@ -66,21 +66,47 @@ def _print_table(report: dict) -> None:
     for c in report["hosted"]["apis"]:
         table.add_row(c["provider"], c["model"], f"{c['total_usd']:.6f}", f"{c['per_day_usd']:.2f}",
                       f"{c['per_1m_tokens_usd']:.4f}")
-    gpu = report["self_built"]["model"]
-    for c in report["self_built"]["options"]:
-        table.add_row(c["option"], f"{gpu['model']} on {gpu['gpu']}", f"{c['total_usd']:.6f}",
+    built = report["self_built"]
+    gpu, base = built["model"], built["baseline"]
+    caches = {"self_built": f"LRU L1 {base['l1_capacity_blocks']:,} blocks", "kvmesh_cross_turn": "kvmesh tiers"}
+    for c in built["options"]:
+        table.add_row(c["option"], f"{gpu['model']} on {gpu['gpu']}, {caches[c['option']]}", f"{c['total_usd']:.6f}",
                       f"{c['per_day_usd']:.2f}", f"{c['per_1m_tokens_usd']:.4f}")
     console.print(table)
     console.print(f"[dim]{report['hosted']['assumption']}. Self-built is a stated model: {gpu['prefill']}; decode "
                   f"{gpu['decode_tokens_per_s']:,.0f} tokens/s per GPU at ${gpu['gpu_hour_usd']}/GPU-hour; "
-                  f"{gpu['provisioning']}.[/]")
+                  f"{gpu['provisioning']}. The self-built baseline is {base['what']}.[/]")
+    _print_savings(console, report)
     total = report["hit_rate_over_time"]["totals"]
     console.print(f"hit rate (prompt blocks): served {total['served']:.1%}, device pools {total['served_device']:.1%}, "
-                  f"Belady at pooled L1 {report['hit_rate_over_time']['capacity_blocks']:,} blocks "
-                  f"{total['belady']:.1%}, infinite {total['infinite']:.1%}")
+                  f"at pooled L1 {report['hit_rate_over_time']['capacity_blocks']:,} blocks: Belady "
+                  f"{total['belady']:.1%}, self-built LRU {total['lru_l1']:.1%}; infinite {total['infinite']:.1%}")
     console.print(f"[bold]recommendation: {report['recommendation']}[/]")
     for reason in report["reasons"]:
         console.print(f"  - {reason}")
+
+
+def _print_savings(console, report: dict) -> None:
+    """Where the GPU savings come from: the baseline's own L1, then what kvmesh adds on top of it."""
+    from rich.table import Table
+
+    built = report["self_built"]
+    ref = built["no_cache"]
+    table = Table(title=f"GPU savings, step by step (no cache: prefill {ref['prefill_gpu_s']:,.3f} GPU-s, "
+                        f"${ref['total_usd']:.6f}, ${ref['per_1m_tokens_usd']:.4f} / 1M tokens)")
+    for column in ("step", "more tokens cached", "prefill GPU-s saved", "USD saved", "USD / day", "USD / 1M tokens"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+    steps = {"l1_prefix_caching": "no cache -> self_built", "kvmesh_on_top": "self_built -> kvmesh_cross_turn"}
+    for s in built["savings"]:
+        table.add_row(f"{s['source']} ({steps[s['source']]})", f"{s['cached_tokens']:,} ({s['hit_rate']:.1%})",
+                      f"{s['prefill_gpu_s']:,.3f}", f"{s['usd']:.6f}", f"{s['per_day_usd']:.2f}",
+                      f"{s['per_1m_tokens_usd']:.4f}")
+    console.print(table)
+    console.print(f"[dim]l1_prefix_caching: the baseline engine's own LRU L1 (what vLLM or SGLang give for free); "
+                  f"kvmesh_on_top: kvmesh's hits minus the baseline's (L2/L3 tiers, routing, retention). kvmesh's hits "
+                  f"include {built['baseline']['answer_block_tokens']:,} tokens of blocks no earlier prompt held (a "
+                  f"previous answer wrote them): the baseline replays prompts only, though an engine that caches its "
+                  f"generated blocks may hit those too.[/]")
 
 
 @app.command("cost")
@@ -95,7 +121,8 @@ def cost(
                                                   exists=True, dir_okay=False)] = None,
     gpu_hour_usd: Annotated[Optional[float], typer.Option(min=0.0, help="GPU-hour price (default: the price file's).")] = None,
     capacity_blocks: Annotated[Optional[int], typer.Option(
-        min=1, help="Pooled L1 blocks for the Belady line (default: engine L1 blocks x workers seen).")] = None,
+        min=1, help="Pooled L1 blocks for the Belady line and the self-built engine's LRU L1 "
+                   "(default: engine L1 blocks x workers seen).")] = None,
     ttft_slo_ms: Annotated[Optional[float], typer.Option(min=0.0, help="Your TTFT target, ms (none: latency-tolerant).")] = None,
     hit_rate_target: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="A hit rate you must hold (a strict need favors cross-turn scheduling).")] = None,

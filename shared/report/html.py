@@ -1,7 +1,8 @@
 """The report as one HTML page with two PNG plots beside it (matplotlib, Agg backend).
 
 `write_html(report, out)` writes `out` and, next to it, `<stem>-hit-rate.png`
-(served hit rate per window against Belady and an infinite cache) and
+(served hit rate per window against Belady, the self-built baseline's LRU L1
+and an infinite cache) and
 `<stem>-cost.png` (USD per 1M tokens for each option). Returns every path
 written. Needs matplotlib (the `bench` or `test` extra).
 """
@@ -28,6 +29,7 @@ def plot_hit_rate(report: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
     for key, style, label in (("served", "o-", "served (any tier)"), ("served_device", "s-", "served (device pools)"),
                               ("belady", "k--", f"Belady, pooled L1 {curve['capacity_blocks']:,} blocks"),
+                              ("lru_l1", "r-.", "self-built engine, LRU L1 (same capacity)"),
                               ("infinite", "k:", "infinite cache")):
         ax.plot(xs, [100 * w[key] for w in curve["windows"]], style, label=label, markersize=3, linewidth=1.5)
     ax.set_xlabel(f"minutes since the first request ({curve['window_s']:.0f} s windows)")
@@ -83,6 +85,10 @@ def write_html(report: dict, out: Path) -> list[Path]:
         ("workers / tenants", f"{m['workers']} / {m['tenants']}"),
     ])
     costs = _rows((k, f"${v:.4f}") for k, v in report["cost_per_1m_tokens_usd"].items())
+    built = report["self_built"]
+    saved = _rows((f"{s['source']}: more tokens cached / prefill GPU-s / USD saved",
+                   f"{s['cached_tokens']:,} ({s['hit_rate']:.1%}) / {s['prefill_gpu_s']:,.3f} / ${s['usd']:.6f} "
+                   f"(${s['per_1m_tokens_usd']:.4f} per 1M tokens)") for s in built["savings"])
     reasons = "".join(f"<li>{escape(r)}</li>" for r in report["reasons"])
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>kvmesh cost report</title>
@@ -97,6 +103,12 @@ def write_html(report: dict, out: Path) -> list[Path]:
 ({escape(report['self_built']['model']['prefill'])}; decode {report['self_built']['model']['decode_tokens_per_s']:,.0f}
 tokens/s per GPU; {escape(report['self_built']['model']['provisioning'])}).</p>
 <img src="{escape(cost_png.name)}" alt="cost per 1M tokens for each option">
+<h2>Where the GPU savings come from</h2>
+<p>Against no cache (prefill {built['no_cache']['prefill_gpu_s']:,.3f} GPU-s, ${built['no_cache']['total_usd']:.6f}).
+The self-built baseline is {escape(built['baseline']['what'])}; kvmesh_on_top is kvmesh's hits minus the baseline's.
+kvmesh's hits include {built['baseline']['answer_block_tokens']:,} tokens of blocks no earlier prompt held (written by a
+previous answer), which an engine that caches its generated blocks may hit too.</p>
+<table>{saved}</table>
 <h2>Hit rate over time</h2>
 <img src="{escape(hit_png.name)}" alt="hit rate over time against Belady">
 </body></html>

@@ -1,4 +1,4 @@
-"""What the measured traffic costs on GPUs you run: a self-built engine without cross-turn cache, and kvmesh.
+"""What the measured traffic costs on GPUs you run: a self-built engine with its own prefix cache, and kvmesh.
 
 The records carry no GPU busy time (and the local stack runs on CPU), so
 throughput is a stated model from the price file, printed with the result:
@@ -7,8 +7,11 @@ throughput is a stated model from the price file, printed with the result:
         = (FLOPs(n) - FLOPs(c)) / (peak x mfu)     FLOPs as shared/sim/recompute_model.py
     decode seconds = tokens_out / decode_tokens_per_s  (a batched rate per GPU)
 
-- self-built: every prompt token is prefilled (c = 0: no cache across turns);
-- kvmesh: only the tokens it did not find cached (c = the record's cached tokens).
+Each option is the same records with a different c per request:
+- self_built: what one engine's LRU prefix cache in its own L1 held (shared/report/l1_baseline.py),
+  as vLLM or SGLang give for free;
+- kvmesh_cross_turn: the record's cached tokens (any tier, any worker);
+- no_cache: c = 0, the reference that shows what L1 prefix caching alone saves (not an option).
 
 Busy GPU-hours are the sum over requests. A fleet is sized for its busiest
 minute, so it runs at mean/peak utilization: provisioned GPU-hours = busy x
@@ -17,6 +20,7 @@ peak/mean QPS. Cost = provisioned GPU-hours x the GPU-hour price.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvmesh.protocol.traffic import TrafficRecord
@@ -28,7 +32,8 @@ from kvmesh.sim.recompute_model import Geometry, prefill_flops
 
 @dataclass(frozen=True, slots=True)
 class SelfBuiltCost:
-    option: str  # "self_built" or "kvmesh_cross_turn"
+    option: str  # "self_built", "kvmesh_cross_turn" or the "no_cache" reference
+    cached_tokens: int  # prompt tokens not prefilled
     prefill_gpu_s: float
     decode_gpu_s: float
     busy_gpu_hours: float
@@ -54,17 +59,17 @@ def prefill_s(model: SelfBuiltModel, tokens: int, cached: int) -> float:
     return (prefill_flops(g, tokens) - prefill_flops(g, cached)) / (model.peak_tflops * 1e12 * model.mfu)
 
 
-def gpu_cost(option: str, records: list[TrafficRecord], m: Measured, model: SelfBuiltModel,
-             gpu_hour_usd: float | None = None) -> SelfBuiltCost:
-    """The cost of serving `records` on `model`'s GPUs; `option` "kvmesh_cross_turn" reuses cached tokens."""
-    reuse = option == "kvmesh_cross_turn"
-    prefill = sum(prefill_s(model, r.input_length, r.cached_tokens if reuse else 0) for r in records)
+def gpu_cost(option: str, records: Sequence[TrafficRecord], cached: Sequence[int], m: Measured,
+             model: SelfBuiltModel, gpu_hour_usd: float | None = None) -> SelfBuiltCost:
+    """The cost of serving `records` on `model`'s GPUs when request i finds its first `cached[i]` tokens cached."""
+    prefill = sum(prefill_s(model, r.input_length, c) for r, c in zip(records, cached, strict=True))
     decode = m.tokens_out / model.decode_tokens_per_s
     busy = (prefill + decode) / 3600
     provisioned = busy * max(1.0, m.load.peak_to_mean)
     price = model.gpu_hour_usd if gpu_hour_usd is None else gpu_hour_usd
     total = provisioned * price
-    return SelfBuiltCost(option, prefill, decode, busy, provisioned, price, total,
+    reused = sum(min(c, r.input_length) for r, c in zip(records, cached, strict=True))
+    return SelfBuiltCost(option, reused, prefill, decode, busy, provisioned, price, total,
                          per_million(total, m), per_day(total, m))
 
 

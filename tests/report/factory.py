@@ -1,13 +1,41 @@
-"""Hand-made served-traffic records for the report tests (the contract's fields, nothing invented)."""
+"""Hand-made served-traffic records for the report tests (the contract's fields, nothing invented), and a price
+file whose numbers make the arithmetic easy to follow by hand."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import yaml
 from kvmesh.protocol.traffic import TrafficRecord
 
 T0 = 1_790_000_000.0  # a fixed arrival origin (unix seconds)
+
+PRICES = yaml.safe_load("""
+as_of: "2026-01-01"
+hosted:
+  a: {model: a-1, input: 2.0, cached_input: 0.5, output: 10.0, cache_write: {300: 1.25, 3600: 2.0}}
+  b: {model: b-1, input: 1.0, cached_input: 0.1, output: 4.0, cache_write: {}, storage_per_mtok_hour: 1.0}
+self_built:
+  gpu: test-gpu
+  gpu_hour_usd: 3.6
+  model: tiny
+  params: 1000000000
+  layers: 2
+  q_heads: 4
+  head_dim: 8
+  peak_tflops: 1
+  mfu: 0.5
+  decode_tokens_per_s: 50
+rules:
+  volatile_peak_to_mean: 3
+  hosted_ttft_ms: 2000
+  small_volume_requests_per_day: 100000
+  self_built_requests_per_day: 1000000
+  session_turns: 5
+  shared_instances: 2
+  cross_instance_hit_share: 0.05
+""")
 
 
 def record(at: float, input_length: int, output_length: int = 10, *, cached: int = 0,

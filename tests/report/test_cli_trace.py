@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .factory import record, write_jsonl
 
 KVMESH = [str(Path(sys.executable).parent / "kvmesh")]
@@ -30,6 +32,12 @@ def test_json_report_of_a_recorded_trace(tmp_path: Path) -> None:
     assert report["recommendation"] in ("hosted", "self_built", "kvmesh_cross_turn") and report["reasons"]
     assert set(report["cost_per_1m_tokens_usd"]) == {"openai", "anthropic", "gemini", "deepseek", "self_built",
                                                      "kvmesh_cross_turn"}
+    built = report["self_built"]
+    assert built["baseline"]["policy"] == "lru" and built["baseline"]["engines"] == 1
+    base, kv = built["options"]
+    steps = {s["source"]: s for s in built["savings"]}
+    assert steps["l1_prefix_caching"]["usd"] == pytest.approx(built["no_cache"]["total_usd"] - base["total_usd"])
+    assert steps["kvmesh_on_top"]["usd"] == pytest.approx(base["total_usd"] - kv["total_usd"])
     assert [Path(p).name for p in report["html"]] == ["r.html", "r-hit-rate.png", "r-cost.png"]
     assert all(Path(p).exists() for p in report["html"])
 

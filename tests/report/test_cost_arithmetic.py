@@ -1,45 +1,20 @@
 """The cost arithmetic against a small case computed by hand: three requests, two hosted APIs, one GPU model.
 
-Every expected number below is written out from the prices in `PRICES`, not
-computed by the code under test.
+Every expected number below is written out from the prices in `PRICES`
+(tests/report/factory.py), not computed by the code under test. The
+self-built baseline's own cache is tested in test_l1_baseline.py; here the
+GPU costs take the cached tokens per request as given.
 """
 
 from __future__ import annotations
 
 import pytest
-import yaml
 from kvmesh.report.hosted import hosted_cost
 from kvmesh.report.measure import measure
 from kvmesh.report.prices import parse_prices
 from kvmesh.report.self_built import gpu_cost
 
-from .factory import record
-
-PRICES = yaml.safe_load("""
-as_of: "2026-01-01"
-hosted:
-  a: {model: a-1, input: 2.0, cached_input: 0.5, output: 10.0, cache_write: {300: 1.25, 3600: 2.0}}
-  b: {model: b-1, input: 1.0, cached_input: 0.1, output: 4.0, cache_write: {}, storage_per_mtok_hour: 1.0}
-self_built:
-  gpu: test-gpu
-  gpu_hour_usd: 3.6
-  model: tiny
-  params: 1000000000
-  layers: 2
-  q_heads: 4
-  head_dim: 8
-  peak_tflops: 1
-  mfu: 0.5
-  decode_tokens_per_s: 50
-rules:
-  volatile_peak_to_mean: 3
-  hosted_ttft_ms: 2000
-  small_volume_requests_per_day: 100000
-  self_built_requests_per_day: 1000000
-  session_turns: 5
-  shared_instances: 2
-  cross_instance_hit_share: 0.05
-""")
+from .factory import PRICES, record
 
 # 3,000 tokens in (1,000 cached; 400 written under 5 min, 200 under 1 h), 350 out, over two minutes.
 RECORDS = [
@@ -83,21 +58,23 @@ def test_hosted_with_plain_writes_and_storage_per_token_hour(book) -> None:
     assert b.total_usd == pytest.approx((1400 + 100 + 600 + 400 / 12 + 200 + 1400) / 1e6)
 
 
-def test_self_built_prefills_every_token_and_kvmesh_only_the_uncached(book) -> None:
+def test_gpu_cost_prefills_only_what_was_not_cached(book) -> None:
     m = measure(RECORDS)
     # FLOPs(n) = 2 x 1e9 x n + 4 x 2 layers x 4 heads x 8 dims x n^2 / 2 = 2e9 n + 128 n^2, at 0.5 x 1e12 FLOP/s
     flops = {n: 2e9 * n + 128 * n * n for n in (500, 1000, 1500)}
     # peak/mean QPS: the first minute holds 2 of 3 requests over 2 minutes -> (2/60) / (3/120) = 4/3
     assert m.load.peak_to_mean == pytest.approx(4 / 3)
 
-    plain = gpu_cost("self_built", RECORDS, m, book.self_built)
+    plain = gpu_cost("no_cache", RECORDS, [0, 0, 0], m, book.self_built)
+    assert plain.cached_tokens == 0
     assert plain.prefill_gpu_s == pytest.approx((flops[1000] + flops[1500] + flops[500]) / 0.5e12)
     assert plain.prefill_gpu_s == pytest.approx(12.000896)
     assert plain.decode_gpu_s == pytest.approx(350 / 50)
     assert plain.provisioned_gpu_hours == pytest.approx((12.000896 + 7) * 4 / 3 / 3600)
     assert plain.total_usd == pytest.approx(19.000896 * 4 / 3 / 3600 * 3.6)
 
-    kv = gpu_cost("kvmesh_cross_turn", RECORDS, m, book.self_built)
+    kv = gpu_cost("kvmesh_cross_turn", RECORDS, [r.cached_tokens for r in RECORDS], m, book.self_built)
+    assert kv.cached_tokens == 1000
     # the second request prefills tokens 1000..1500 only, attending over the cached 1000
     assert kv.prefill_gpu_s == pytest.approx((flops[1000] + flops[1500] - flops[1000] + flops[500]) / 0.5e12)
     assert kv.prefill_gpu_s == pytest.approx(8.00064)
@@ -107,5 +84,6 @@ def test_self_built_prefills_every_token_and_kvmesh_only_the_uncached(book) -> N
 
 def test_a_gpu_hour_price_given_on_the_command_line_replaces_the_files(book) -> None:
     m = measure(RECORDS)
-    assert gpu_cost("self_built", RECORDS, m, book.self_built, gpu_hour_usd=7.2).total_usd == pytest.approx(
-        2 * gpu_cost("self_built", RECORDS, m, book.self_built).total_usd)
+    cached = [0, 500, 0]
+    assert gpu_cost("self_built", RECORDS, cached, m, book.self_built, gpu_hour_usd=7.2).total_usd == pytest.approx(
+        2 * gpu_cost("self_built", RECORDS, cached, m, book.self_built).total_usd)

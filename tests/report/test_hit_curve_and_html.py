@@ -1,12 +1,13 @@
-"""Hit rate over time: the Belady line is the sim's Belady on the same records; the page and its PNGs."""
+"""Hit rate over time: the Belady and LRU lines are the sim's on the same records; the page and its PNGs."""
 
 from __future__ import annotations
 
 import pytest
 from kvmesh.report.cost_report import ReportOptions, build_report
-from kvmesh.report.hit_windows import as_trace, hit_curve
+from kvmesh.report.hit_windows import hit_curve
 from kvmesh.report.html import write_html
 from kvmesh.report.prices import load_prices
+from kvmesh.report.served_trace import as_sim_trace
 from kvmesh.sim.run import run_one
 
 from .factory import record
@@ -25,11 +26,14 @@ def sessions(n_sessions: int = 6, turns: int = 5) -> list:
 
 
 @pytest.mark.parametrize("capacity", [4, 12, 1000])
-def test_the_belady_line_is_the_sims_belady_on_the_same_records(capacity: int) -> None:
+def test_the_belady_and_lru_lines_are_the_sims_on_the_same_records(capacity: int) -> None:
     records = sessions()
     curve = hit_curve(records, capacity)
-    assert curve.totals.belady == pytest.approx(run_one(as_trace(records), "belady", capacity).hit_rate)
-    assert curve.totals.infinite == pytest.approx(run_one(as_trace(records), "infinite", capacity).hit_rate)
+    trace = as_sim_trace(records)
+    assert curve.totals.belady == pytest.approx(run_one(trace, "belady", capacity).hit_rate)
+    assert curve.totals.lru_l1 == pytest.approx(run_one(trace, "lru", capacity).hit_rate)
+    assert curve.totals.infinite == pytest.approx(run_one(trace, "infinite", capacity).hit_rate)
+    assert curve.totals.lru_l1 <= curve.totals.infinite
     assert sum(w.requests for w in curve.windows) == len(records)
 
 
