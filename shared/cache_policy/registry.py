@@ -8,15 +8,17 @@ from kvmesh.cache_policy.arc import ARCPolicy
 from kvmesh.cache_policy.base import EvictionPolicy, LRUPolicy
 from kvmesh.cache_policy.continuum import ContinuumPolicy
 from kvmesh.cache_policy.cost import CostPolicy
+from kvmesh.cache_policy.default import DefaultPolicy
 from kvmesh.cache_policy.lfu import LFUPolicy
 from kvmesh.cache_policy.queue_cache import QueuePolicy
 from kvmesh.cache_policy.s3fifo import S3FIFOPolicy
 from kvmesh.cache_policy.session import SessionPolicy
 from kvmesh.cache_policy.tinylfu import TinyLFUPolicy
 
-DEFAULT_POLICY = "cost"
+DEFAULT_POLICY = "default"
 
 _FACTORIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "default": DefaultPolicy,  # session-aware, like "session": its caller feeds policy.book (see default.py)
     "cost": CostPolicy,
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
@@ -29,10 +31,9 @@ POLICIES: tuple[str, ...] = tuple(_FACTORIES)
 
 
 def get_policy(name: str) -> EvictionPolicy:
-    """A fresh policy object (policies with history keep it per object); "default" = cost."""
-    key = DEFAULT_POLICY if name == "default" else name
+    """A fresh policy object (policies with history keep it per object)."""
     try:
-        return _FACTORIES[key]()
+        return _FACTORIES[name]()
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}") from None
 

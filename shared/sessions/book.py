@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from kvmesh.lru import BoundedLRU
 from kvmesh.sessions.events import TurnOutcome
 from kvmesh.sessions.predict import Outlook, ReturnPredictor
+from kvmesh.sessions.inference_trust import InferenceTrust
 
 _NOBODY = ""  # the owner of a block its session no longer sends
 
@@ -65,6 +66,7 @@ class _Session:
     # a time (in a turn: in use since then; inf: ended), an Outlook (away), None (nothing known: the prior)
     state: float | Outlook | None = None
     version: int = 0  # bumped by every turn event: stale checkpoints are ignored
+    explicit: bool = False  # the client named it (an id it sent), rather than the server inferring it
 
 
 class SessionBook:
@@ -78,30 +80,43 @@ class SessionBook:
         self._checkpoints: list[tuple[float, int, str, int]] = []
         self._changed: set[bytes] = set()
         self._seq = 0
+        self.inference = InferenceTrust()  # whether the server-inferred sessions describe the traffic
 
     # -- turn events ----------------------------------------------------------
 
-    def turn_started(self, session_id: str, hashes: Sequence[bytes], at: float) -> float | None:
+    def turn_started(self, session_id: str, hashes: Sequence[bytes], at: float,
+                     explicit: bool = False) -> float | None:
         """A turn of ``session_id`` that sends ``hashes`` arrived; returns the prediction error (s) or None.
+        ``explicit``: the client named the session (once named, it stays explicit).
 
         If the session is already in a turn (announced at admission: `turn_announced`), this is that
         turn's job arriving: only its blocks are bound, the predictor learnt the gap already."""
+        return self._turn(session_id, hashes, at, explicit, observe=True)
+
+    def turn_announced(self, session_id: str, at: float, explicit: bool = False) -> float | None:
+        """A turn of ``session_id`` was admitted at ``at``, its blocks not known yet: the session is in use
+        from now on (its blocks are the ones it sent before). Returns the prediction error, as `turn_started`."""
+        return self._turn(session_id, self.blocks_of(session_id), at, explicit, observe=False)
+
+    def _turn(self, session_id: str, hashes: Sequence[bytes], at: float, explicit: bool,
+              observe: bool) -> float | None:
+        """`observe`: `hashes` are the turn's own (not the blocks it sent before), so they show how much
+        of the session the turn sends again."""
         self.advance(at)
+        known = session_id in self._sessions
         s = self._session(session_id)
+        s.explicit = s.explicit or explicit
         if isinstance(s.state, float) and s.state < math.inf:
-            self._drop_unsent(s, hashes)
+            self._drop_unsent(s, hashes, observe=observe and not s.explicit)
             self.bind(session_id, hashes, at)
             return None
+        if not s.explicit:
+            self.inference.turn(known)
         error = self.predictor.turn_started(session_id, at)
-        self._drop_unsent(s, hashes)
+        self._drop_unsent(s, hashes, observe=observe and not s.explicit)
         self.bind(session_id, hashes, at)
         self._set(s, at)
         return error
-
-    def turn_announced(self, session_id: str, at: float) -> float | None:
-        """A turn of ``session_id`` was admitted at ``at``, its blocks not known yet: the session is in use
-        from now on (its blocks are the ones it sent before). Returns the prediction error, as `turn_started`."""
-        return self.turn_started(session_id, self.blocks_of(session_id), at)
 
     def turn_ended(self, session_id: str, at: float, outcome: TurnOutcome, tools: Sequence[str] = (),
                    hint_s: float | None = None, hashes: Sequence[bytes] = (), now: float | None = None) -> None:
@@ -181,6 +196,11 @@ class SessionBook:
         b = self._blocks.get(block_hash)
         return None if b is None or b.session == _NOBODY else b.session
 
+    def named_by_client(self, session_id: str | None) -> bool:
+        """Whether the client named the session (rather than the server inferring it)."""
+        s = self._sessions.get(session_id) if session_id is not None else None
+        return s is not None and s.explicit
+
     def blocks_of(self, session_id: str) -> list[bytes]:
         s = self._sessions.get(session_id)
         return [] if s is None else list(s.blocks)
@@ -198,10 +218,14 @@ class SessionBook:
     def _session(self, session_id: str) -> _Session:
         return self._sessions.entry(session_id, _Session)
 
-    def _drop_unsent(self, s: _Session, hashes: Sequence[bytes]) -> None:
-        """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead."""
+    def _drop_unsent(self, s: _Session, hashes: Sequence[bytes], observe: bool = False) -> None:
+        """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead.
+        `observe`: count the share sent again (a new turn of an inferred session)."""
         sent = set(hashes)
-        for h in [h for h in s.blocks if h not in sent]:
+        dead = [h for h in s.blocks if h not in sent]
+        if observe:
+            self.inference.sent_again(len(s.blocks) - len(dead), len(s.blocks))
+        for h in dead:
             del s.blocks[h]
             b = self._blocks.get(h)
             if b is not None:

@@ -1,7 +1,7 @@
 """Run several policies (and the references) over one trace at one or many capacities.
 
-Names: the online policies of ``kvmesh.cache_policy.registry`` (the default
-one is reported as ``default``), its queue-structured references (``s3fifo``,
+Names: the online policies of ``kvmesh.cache_policy.registry`` (the first,
+``default``, is the shipped one), its queue-structured references (``s3fifo``,
 ``arc``), plus ``belady`` (offline farthest-next-use bound, run over both
 tiers) and ``infinite`` (a cache that never evicts).
 """
@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvmesh.cache_policy.registry import (
-    DEFAULT_POLICY,
     POLICIES,
     QUEUE_POLICIES,
     get_policy,
@@ -31,20 +30,15 @@ from kvmesh.sim.trace import Trace
 REFERENCES = ("belady", "infinite")
 
 
-def report_name(name: str) -> str:
-    """The key a policy's result is reported under (the default policy as ``default``)."""
-    return "default" if name == DEFAULT_POLICY else name
-
-
 def all_names() -> list[str]:
-    return ["default", *(p for p in POLICIES if p != DEFAULT_POLICY), *QUEUE_POLICIES, *REFERENCES]
+    return [*POLICIES, *QUEUE_POLICIES, *REFERENCES]
 
 
 def resolve_names(names: Sequence[str] | None) -> list[str]:
     """Report names in a stable order; unknown names raise ``ValueError``."""
     if not names:
         return all_names()
-    wanted = {report_name(n) for n in names}
+    wanted = set(names)
     unknown = wanted - set(all_names())
     if unknown:
         raise ValueError(f"unknown policy {sorted(unknown)}; known: {', '.join(all_names())}")
@@ -70,7 +64,7 @@ def run_one(trace: Trace, name: str, capacity: int, options: ReplayOptions | Non
         return replay(trace, oracle, capacity, on_request=oracle.at_request, options=opts)
     if name in QUEUE_POLICIES:
         return replay(trace, get_queue_policy(name), capacity, options=opts)
-    return replay(trace, get_policy(DEFAULT_POLICY if name == "default" else name), capacity, options=opts)
+    return replay(trace, get_policy(name), capacity, options=opts)
 
 
 def hit_rate(trace: Trace, name: str, capacity: int, progress: Progress | None = None) -> float:

@@ -58,7 +58,8 @@ class SessionDriver:
     def started(self, request: TraceRequest) -> str:
         """Before the cache serves ``request``: its turn starts. Returns its session."""
         session = self.session_of(request)
-        error = self.policy.book.turn_started(session, request.blocks, request.time_s)
+        named = request.session_id is not None  # the trace's id is the client's: otherwise it is inferred
+        error = self.policy.book.turn_started(session, request.blocks, request.time_s, explicit=named)
         if error is not None:
             self.errors.append(error)
         self.cache.rekey(self.policy.book.take_changed(), request.time_s)

@@ -73,7 +73,7 @@ def test_greedy_tokens_identical_with_and_without_cache(loaded: LoadedModel, pro
     assert all(o.cached_tokens == (len(p) - 1) // BS * BS for o, p in zip(outs, prompts))
 
 
-@pytest.mark.parametrize("policy", ["lru", "cost", "tinylfu", "session"])
+@pytest.mark.parametrize("policy", ["lru", "cost", "tinylfu", "session", "default"])
 def test_preemption_and_chunking_really_happen(loaded: LoadedModel, policy: str) -> None:
     """Pins the pressure the property test relies on, under LRU, the generic-heap policies and session retention."""
     root = list(range(100, 130))

@@ -89,8 +89,8 @@ def test_a_chain_that_repeats_a_hash_stops_there() -> None:
     assert cache.blocks[b"a"].num_children == 1
 
 
-def test_the_default_fills_free_room_but_guards_evictions() -> None:
-    cache = PolicyCache(get_policy("default"), 2)
+def test_cost_fills_free_room_but_guards_evictions() -> None:
+    cache = PolicyCache(get_policy("cost"), 2)
     assert cache.insert(chain("a"), 0).inserted == 1  # first request, free room: cached
     cache.insert(chain("b"), 1)
     r = cache.insert(chain("c"), 2)  # first request of c, cache full: a and b stay

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
-KEYS = {"default", "lru", "lfu", "tinylfu", "session", "continuum", "s3fifo", "arc", "belady", "infinite"}
+KEYS = {"default", "cost", "lru", "lfu", "tinylfu", "session", "continuum", "s3fifo", "arc", "belady", "infinite"}
 
 
 def write_trace(path: Path) -> Path:
