@@ -66,7 +66,9 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     dtype: str = "float32"
     device: str = "cpu"
-    eviction_policy: str = "lru"
+    # a name in shared/cache_policy/registry.py; "default" ranks by the session's predicted return, fed
+    # with the sessions' turn events (shared/serving/session_feed.py)
+    eviction_policy: str = "default"
     threads: int = Field(default=0, ge=0)  # torch intra-op threads of a worker's engine; 0: torch's default (cores)
     enable_prefix_caching: bool = True  # False: never reuse cached blocks (the cache-off baseline)
     pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
@@ -82,7 +84,10 @@ class TierSettings(BaseModel):
     l3_tail_delay_s: float = 5.0  # a chain's partial last chunk is written once the chain is left alone this long
     l3_known_chunks: int = 65_536  # chunk keys a worker remembers as stored in L3 (~230 B each: ~15 MiB)
     l3_known_max_age_s: float = 600.0  # ... trusted this long (the GC may delete objects unseen by the worker)
-    l2_eviction_policy: str = "lru"  # a name in shared/cache_policy/registry.py
+    # A name in shared/cache_policy/registry.py. LRU, not "default": no session events reach the tier, and
+    # what it holds arrives in L1's order (demoted by the default policy) and leaves on the eviction
+    # service's advice, which the default policy ranks with the sessions (docs/eviction-policy.md).
+    l2_eviction_policy: str = "lru"
     l2_shared_memory: bool = True  # L2 blocks in POSIX shm segments: same-host peers map them
     # the first bytes of a shared-memory L2 are faulted in at start, in the background (the first blocks
     # stored, a handoff's, then pay no page faults); they stay committed in /dev/shm
@@ -148,9 +153,9 @@ class WorkerSettings(BaseModel):
 class SessionRetentionSettings(BaseModel):
     """How the eviction service keeps agent sessions by their predicted return (shared/eviction/sessions.py)."""
 
-    # Off by default: in `kvmesh bench agents` (tool loops on a CPU-saturated pool) its pins have not yet
-    # beaten plain LRU on cached tokens (docs/agent-sessions.md); on, it acts on every SessionEvent.
-    enabled: bool = False
+    # On: pins and prefetch for sessions expected back soon, from every SessionEvent; its pins are bounded
+    # by `pin_fraction` of a worker's L1 (docs/eviction-policy.md).
+    enabled: bool = True
     pin_horizon_s: float = Field(default=120.0, ge=0.0)  # sessions expected back within this are pinned in L1
     pin_margin_s: float = Field(default=10.0, ge=0.0)  # a pin outlives the predicted return by this much
     pin_fraction: float = Field(default=0.4, ge=0.0, le=1.0)  # of a worker's L1 that session pins may ask for
@@ -177,7 +182,7 @@ class LiveBeladySettings(BaseModel):
 class EvictionSettings(BaseModel):
     """The global eviction service (shared/eviction): watermarks, L3 GC budgets, warm-up."""
 
-    policy: str = "cost"  # a name in shared/cache_policy/registry.py: the order of all its advice
+    policy: str = "default"  # a name in shared/cache_policy/registry.py: the order of all its advice
     tick_s: float = 1.0  # how often occupancy is checked against the watermarks
     high_water: float = 0.9  # share of a tier's capacity above which it advises demotion
     low_water: float = 0.75  # ... down to this share

@@ -83,5 +83,6 @@ class DefaultPolicy(SessionPolicy):
     def priority(self, info: BlockInfo, now: float) -> float:
         if self.vouched(info.block_hash):
             return SessionPolicy.priority(self, info, now)
-        band = _REUSED if self.cost.history.count(info.block_hash) >= _PROVEN_REQUESTS else _NEW
+        seen = max(self.cost.history.count(info.block_hash), info.access_count)  # history: across evictions
+        band = _REUSED if seen >= _PROVEN_REQUESTS else _NEW
         return band + self.cost.params.tau_s * self.cost.priority(info, now)  # cost's order, in seconds

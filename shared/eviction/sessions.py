@@ -121,7 +121,7 @@ class SessionRetention:
         elif ev.started_at is not None:
             if old is not None and old.prefetch_at is not None and ev.started_at < old.prefetch_at:
                 self.counts.late_prefetches += 1
-            err = self.book.turn_started(sid, chain, ev.started_at)
+            err = self.book.turn_started(sid, chain, ev.started_at, explicit=ev.named)
             if err is not None:
                 self.counts.errors.append(err)
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
@@ -157,7 +157,7 @@ class SessionRetention:
             return []  # delivered after its own end
         if session is not None and session.prefetch_at is not None and ev.at < session.prefetch_at:
             self.counts.late_prefetches += 1
-        err = self.book.turn_announced(self._book_id(key), ev.at)
+        err = self.book.turn_announced(self._book_id(key), ev.at, explicit=ev.named)
         if err is not None:
             self.counts.errors.append(err)
         if session is None:

@@ -97,7 +97,7 @@ class SessionFeed:
                 return  # delivered after its own end: the turn is over
 
             def start(e) -> None:
-                book.turn_announced(ev.session_id, _monotonic(ev.at))
+                book.turn_announced(ev.session_id, _monotonic(ev.at), explicit=ev.named)
                 e.cache.rekey(book.take_changed())
             await self.engine.call(start)
             self.started += 1

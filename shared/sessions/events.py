@@ -46,6 +46,8 @@ class TurnOutcome(StrEnum):
 class SessionEvent(Message):
     """Session `session_id` of `tenant` ended a turn (or ended), or started one (`STARTED`), at `at` (unix s)."""
 
+    SCHEMA_VERSION = 2  # 2: `named`
+
     tenant: str = Field(min_length=1)
     tenant_salt: str = ""  # hex, as in the session's jobs: what a worker needs to prefetch its blocks
     session_id: str = Field(min_length=1)
@@ -59,4 +61,7 @@ class SessionEvent(Message):
     worker: str = ""
     expected_return_ms: int | None = Field(default=None, ge=0)  # the client's hint
     started_at: float | None = None  # when this turn's request arrived: the gap since the last turn is learned from it
+    # The client named the session (its id came with the request) rather than the ingress inferring it:
+    # the default eviction policy trusts a named session's new blocks (shared/cache_policy/default.py).
+    named: bool = False
     at: float

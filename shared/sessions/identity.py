@@ -78,6 +78,11 @@ class SessionRef:
     source: Source
 
     @property
+    def named(self) -> bool:
+        """The client named the session (any source but inference and a fresh one)."""
+        return self.source not in (Source.INFERRED, Source.NEW)
+
+    @property
     def session_id(self) -> str:
         return scoped_session_id(self.tenant, self.client_id)
 

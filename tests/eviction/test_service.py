@@ -96,7 +96,7 @@ async def test_over_full_worker_gets_demote_and_pins_protect(fresh_nats_server) 
     out2 = [bytes.fromhex(h) for h in got2.command.hashes]
     # Only chain c can go on w2: 4 of the 5 wanted, never a pinned block of b.
     assert set(out2) == set(c) and not set(out2) & set(b)
-    assert svc.advisor.policy.name == "cost"
+    assert svc.advisor.policy.name == "default"
 
 
 async def test_a_session_in_a_tool_call_is_retained_on_its_worker(fresh_nats_server) -> None:

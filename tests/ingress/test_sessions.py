@@ -262,6 +262,7 @@ def test_two_turns_without_an_id_are_one_inferred_session(stack: ServingStack) -
     assert ev.session_id == scoped_session_id("sess-a", first) and ev.outcome is TurnOutcome.ANSWER
     assert ev.last_hash is not None and ev.chain_blocks >= 2 and ev.worker == "prefill-0"
     assert ev.started_at is not None and ev.started_at <= ev.at
+    assert not ev.named  # inferred: the default policy trusts it only as far as inferred sessions earn it
 
 
 def test_agent_loop_turns_are_tool_calls_with_hints(stack: ServingStack) -> None:
@@ -279,6 +280,7 @@ def test_agent_loop_turns_are_tool_calls_with_hints(stack: ServingStack) -> None
     e2 = event_where(stack, lambda e: e.request_id == rid(r2.id))
     assert e2.outcome is TurnOutcome.TOOL_CALLS and e2.tools == ["list_files"] and e2.expected_return_ms == 800
     assert e2.chain_blocks >= e1.chain_blocks and e2.session_id == e1.session_id
+    assert e1.named and e2.named  # the client named it (x-session-id)
 
     # Anthropic: tool_use / tool_result blocks; the hint as a body extension
     tools = [{"name": "read_file", "description": "Read a file.", "input_schema": {"type": "object"}}]

@@ -125,7 +125,7 @@ class SessionTracker:
             named = self.hasher.named and bool(turn.prompt_hashes)
             chain = Chain(turn.prompt_hashes[-1].hex() if named else None, len(turn.prompt_hashes) if named else 0)
             facts = EventFacts(turn.ref.tenant, turn.tenant_salt, turn.session_id, turn.request_id,
-                               turn.hints.expected_return_ms, turn.started_at, chain)
+                               turn.hints.expected_return_ms, turn.started_at, chain, turn.ref.named)
             self._publish_later(started_event(facts), started_msg_id(facts))
         except Exception:  # noqa: BLE001 - advice lost, never the client's request
             self.metrics.session_event_failures.inc()
@@ -175,7 +175,7 @@ class SessionTracker:
         else:
             self.table.turn_ended(rec, anchors)
         facts = EventFacts(turn.ref.tenant, salt, turn.session_id, turn.request_id, turn.hints.expected_return_ms,
-                           turn.started_at, chain)
+                           turn.started_at, chain, turn.ref.named)
         self._publish_later(session_event(facts, outcome, tools, time.time()), event_msg_id(facts, outcome))
 
     async def end(self, tenant: str, tenant_salt: str, client_id: str) -> SessionEvent:
