@@ -1,4 +1,4 @@
-"""The default policy: keep blocks by expected reuse x recompute cost / bytes.
+"""Cost-aware eviction: keep blocks by expected reuse x recompute cost / bytes (the default policy's order for blocks no session vouches for).
 
     value = reuse * cost / bytes * exp(-(now - last_access) / tau)
 

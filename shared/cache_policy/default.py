@@ -1,4 +1,4 @@
-"""The default policy: rank by the session's predicted return where the session is worth it, else recency with a doorkeeper.
+"""The default policy: rank by the session's predicted return where the session vouches, else by cost's order, new blocks last.
 
 Two signals decide which block goes first, and neither is best on every trace
 (docs/eviction-policy.md has the tables):

@@ -95,14 +95,13 @@ def agents(
     l2_blocks: Annotated[int, typer.Option(min=0, help="Host-memory tier per worker, in blocks.")] = 1024,
     arrival_rate: Annotated[float, typer.Option(min=0.01, help="Sessions starting per second (Poisson).")] = 1.0,
     l3: Annotated[bool, typer.Option(help="Workers with the S3 tier (off: an evicted context is recomputed).")] = False,
-    worker_policy: Annotated[str, typer.Option(help="Session mode: the workers' own eviction (session or lru).")] = "session",
     seed: Annotated[int, typer.Option(help="Seed of arrivals and tool latencies.")] = 0,
 ) -> None:
-    """Agent sessions (SWE-agent tool loops) on a small L1: session-aware retention + prefetch vs LRU."""
+    """Agent sessions (SWE-agent tool loops) on a small L1: the shipped default vs retention off vs LRU."""
     from kvmesh.bench.agents import AgentsBenchConfig, run_agents_bench
 
     cfg = AgentsBenchConfig(sessions=sessions, max_steps=max_steps, l1_blocks=l1_blocks, l2_blocks=l2_blocks,
-                            arrival_rate=arrival_rate, l3=l3, worker_policy=worker_policy, seed=seed)
+                            arrival_rate=arrival_rate, l3=l3, seed=seed)
     typer.echo(json.dumps(run_agents_bench(cfg), indent=None if json_out else 2))
 
 

@@ -67,7 +67,7 @@ def sim(
         run_all_tiers,
     )
     from kvmesh.sim.run import sweep as run_sweep
-    from kvmesh.sim.trace import load_trace
+    from kvmesh.sim.trace import load_trace, returning
     from kvmesh.sim.ttft import DEFAULT_L2_GBPS, TTFTModel
     from rich.console import Console
     from rich.progress import (
@@ -89,6 +89,7 @@ def sim(
     if geometry not in ("8b", "70b"):
         raise typer.BadParameter("--geometry must be 8b or 70b")
     data = load_trace(trace)
+    later = returning(data)
     capacity = _capacity(data, l1_blocks, l1_fraction, "l1", required=True)
     l2 = _capacity(data, l2_blocks, l2_fraction, "l2", required=False)
     model = TTFTModel(geometry=geometry, l2_gbps=l2_gbps or DEFAULT_L2_GBPS)
@@ -126,6 +127,10 @@ def sim(
         "l2_hit_rate": {n: r6(r.l2_hit_rate) for n, r in results.items()},
         "ttft_s": {n: {k: r6(v) for k, v in (summarize(r.ttft_s) or {}).items()} for n, r in results.items()
                    if r.ttft_s},
+        # the later turns of named sessions: their prefix was computed before (first turns are cold for all)
+        "ttft_s_returning": {n: {k: r6(v) for k, v in (summarize(tuple(
+            t for t, again in zip(r.ttft_s, later) if again)) or {}).items()} for n, r in results.items()
+            if r.ttft_s and any(later)},
         "prediction_error_s": {n: {k: r6(v) for k, v in (summarize(r.prediction_errors_s) or {}).items()}
                                | {"mean_abs": r6(sum(map(abs, r.prediction_errors_s)) / len(r.prediction_errors_s))}
                                for n, r in results.items() if r.prediction_errors_s},

@@ -38,6 +38,9 @@ def from_trajectories(
     shared_system_prompt: Annotated[
         bool, typer.Option(help="Sessions share the system prompt's blocks (one deployment's agents).")
     ] = True,
+    session_ids: Annotated[
+        bool, typer.Option(help="Write each turn's session_id (off: a server would have to infer the sessions).")
+    ] = True,
 ) -> None:
     """Turn DIRECTORY's trajectories into a Mooncake-format trace with session_id and tool_calls."""
     from kvmesh.sim.trajectories import (
@@ -81,7 +84,7 @@ def from_trajectories(
         task = bar.add_task("sessions", total=sessions)
         rows = build_trace(pool, config, lambda n: bar.advance(task, n))
         bar.add_task(f"write {out}", total=None)
-        write_trace(rows, out)
+        write_trace(rows, out, session_ids)
     typer.echo(json.dumps({"trace": str(out), **summarize(rows)}))
 
 

@@ -54,6 +54,18 @@ class Trace:
         return len({b for r in self.requests for b in r.blocks})
 
 
+def returning(trace: Trace) -> list[bool]:
+    """Per request: a later turn of a session the trace named before (its prefix was computed then).
+    A session's first turn is cold under every policy; a trace without session ids has no returning turns."""
+    seen: set[str] = set()
+    out = []
+    for r in trace.requests:
+        out.append(r.session_id is not None and r.session_id in seen)
+        if r.session_id is not None:
+            seen.add(r.session_id)
+    return out
+
+
 def block_key(hash_id: int) -> bytes:
     """A trace's integer hash id as the cache's bytes key (fixed width, deterministic)."""
     return hash_id.to_bytes(8, "big", signed=False)

@@ -257,12 +257,16 @@ class TraceRow:
     session_id: str
     tool_calls: tuple[str, ...]
 
-    def to_json(self) -> str:
-        return json.dumps({
+    def to_json(self, session_id: bool = True) -> str:
+        """One trace line; without `session_id` the server must infer the sessions, as for clients that name none."""
+        line = {
             "timestamp": round(self.time_s * 1000), "input_length": self.input_length,
             "output_length": self.output_length, "hash_ids": list(self.hash_ids),
             "session_id": self.session_id, "tool_calls": list(self.tool_calls),
-        })
+        }
+        if not session_id:
+            del line["session_id"]
+        return json.dumps(line)
 
 
 def _tokens(pieces: Sequence[tuple[int, ...]]) -> list[int]:
@@ -342,11 +346,11 @@ def build_trace(
     return [row for *_, row in keyed]
 
 
-def write_trace(rows: Sequence[TraceRow], path: Path) -> None:
+def write_trace(rows: Sequence[TraceRow], path: Path, session_ids: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
-            f.write(row.to_json() + "\n")
+            f.write(row.to_json(session_ids) + "\n")
 
 
 def summarize(rows: Sequence[TraceRow]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, block_key, load_trace, parse_line
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, Trace, block_key, load_trace, parse_line, returning
 
 
 def test_load_trace_keys_times_and_partial_last_block(tmp_path: Path) -> None:
@@ -33,3 +33,11 @@ def test_agent_fields_are_optional_and_parsed() -> None:
     assert agent.session_id == "s1" and agent.tool_calls == ("bash", "edit")
     answer = parse_line('{"timestamp": 5, "input_length": 10, "hash_ids": [1], "session_id": 7, "tool_calls": []}')
     assert answer.session_id == "7" and answer.tool_calls == ()
+
+
+def test_returning_turns_are_later_turns_of_named_sessions() -> None:
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 5, "hash_ids": [1, 2], **extra}
+            for t, extra in ((0, {"session_id": "a"}), (1, {"session_id": "b"}), (2, {"session_id": "a"}),
+                             (3, {}), (4, {"session_id": "b"}))]
+    trace = Trace("t", tuple(parse_line(json.dumps(r)) for r in rows))
+    assert returning(trace) == [False, False, True, False, True]
