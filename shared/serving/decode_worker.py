@@ -80,7 +80,7 @@ class DecodeWorker:
         except ValueError as exc:
             raise PermanentError(f"bad job: {exc}") from None
         if self.rt.sessions is not None and job.session_id:
-            await self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
+            self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
         stream = TokenStream(self.publisher, job.request_id, job.attempt, self.worker_id, len(job.generated),
                              job.prompt_tokens, job.cached_tokens,
                              fenced=lambda: self.ledger.stale(job.request_id, job.attempt))

@@ -116,12 +116,17 @@ class EngineLoop:
             self.abort(spec.request_id)
             raise
 
+    def post(self, fn: Callable[[Engine], object]) -> None:
+        """Run `fn(engine)` on the engine thread, in order with every call and request after it; nothing comes
+        back (a failure is logged). For bookkeeping a request's path need not wait for."""
+        self._commands.put(("call", fn, None))
+
     def abort(self, request_id: str) -> None:
-        self._commands.put(("call", lambda e: e.abort(request_id), None))
+        self.post(lambda e: e.abort(request_id))
 
     def release_lease(self, lease: str) -> None:
         """End the lease of a request that will not be added (no-op once it was: it ends with the request)."""
-        self._commands.put(("call", lambda e: e.release_lease(lease), None))
+        self.post(lambda e: e.release_lease(lease))
 
     # --- engine thread ----------------------------------------------------
 

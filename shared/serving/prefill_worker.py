@@ -85,7 +85,7 @@ class PrefillWorker:
         except ValueError as exc:
             raise PermanentError(f"bad job: {exc}") from None
         if self.rt.sessions is not None and job.session_id:
-            await self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
+            self.rt.sessions.turn_started(job.session_id, job.prompt_ids, salt)
         if time.time() >= job.deadline:
             await self._fail(job, "deadline passed before prefill started", retriable=True)
             return

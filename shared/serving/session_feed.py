@@ -77,13 +77,16 @@ class SessionFeed:
             with suppress(Exception):
                 await self._sub.unsubscribe()
 
-    async def turn_started(self, session_id: str, prompt_ids: Sequence[int], tenant_salt: bytes) -> None:
+    def turn_started(self, session_id: str, prompt_ids: Sequence[int], tenant_salt: bytes) -> None:
+        """The job arrived: its turn starts on the engine thread before anything the worker asks of the engine
+        after this (the engine runs its commands in order), without the job waiting for it."""
         book = self.policy.book
+        now = time.monotonic()
 
         def start(e) -> None:
-            book.turn_started(session_id, e.block_hashes(prompt_ids, tenant_salt), time.monotonic())
+            book.turn_started(session_id, e.block_hashes(prompt_ids, tenant_salt), now)
             e.cache.rekey(book.take_changed())
-        await self.engine.call(start)
+        self.engine.post(start)
 
     async def _on_event(self, msg: Msg) -> None:
         try:

@@ -11,6 +11,7 @@ that answers exactly as a cold run (cache transparency).
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from bus.helpers import connected, eventually
@@ -48,7 +49,7 @@ async def run_turns(loaded, policy: str, url: str | None) -> tuple[int, list[int
             for session, prompt, outcome, hint in (("tool", TOOL, TurnOutcome.TOOL_CALLS, 2.0),
                                                    ("idle", IDLE, TurnOutcome.ANSWER, 3600.0)):
                 if feed is not None:
-                    await feed.turn_started(session, prompt, b"")
+                    feed.turn_started(session, prompt, b"")
                 await loop.call(lambda e, p=prompt: e.generate([p], PARAMS))
                 await nc.jetstream().publish(subjects.SESSION_EVENTS, ended(session, outcome, hint).to_bytes())
             if feed is not None:
@@ -74,3 +75,22 @@ async def test_the_tool_call_session_stays_where_lru_evicts_it(tiny_loaded, fres
     assert cached == len(TOOL) - BS  # all but the last block: an L1 hit
     assert tokens == lru_tokens == cold
 
+
+
+async def test_a_started_event_tells_the_book_whether_the_client_named_the_session(tiny_loaded) -> None:
+    """The ingress's `named` reaches the worker's book: the default policy trusts a named session's new blocks."""
+    engine = Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=14, eviction_policy="default"))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        feed = SessionFeed(loop, engine.cache.policy)
+        for session, named in (("agent", True), ("guessed", False)):
+            ev = SessionEvent(tenant="t", session_id=session, request_id=f"r-{session}",
+                              outcome=TurnOutcome.STARTED, at=time.time(), named=named)
+            await feed._on_event(SimpleNamespace(data=ev.to_bytes()))
+        book = engine.cache.policy.book
+        assert feed.started == 2
+        assert await loop.call(lambda e: (book.named_by_client("agent"), book.named_by_client("guessed"))) == (
+            True, False)
+    finally:
+        loop.stop()
