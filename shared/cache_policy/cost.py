@@ -1,4 +1,4 @@
-"""Cost-aware eviction: keep blocks by expected reuse x recompute cost / bytes (the default policy's order for blocks no session vouches for).
+"""Cost-aware eviction: keep blocks by expected reuse x recompute cost / bytes.
 
     value = reuse * cost / bytes * exp(-(now - last_access) / tau)
 

@@ -1,7 +1,7 @@
-"""The default policy: rank by the session's predicted return where the session vouches, else by cost's order, new blocks last.
+"""The default policy: the session's predicted return where the session vouches, else cost's order, new blocks last.
 
 Two signals decide which block goes first, and neither is best on every trace
-(docs/eviction-policy.md has the tables):
+(docs/eviction-policy.md):
 
 - **The session's return** (``SessionPolicy``): evict the block whose session
   is expected back last. On agent traffic, where a session leaves for a tool
@@ -15,20 +15,22 @@ Two signals decide which block goes first, and neither is best on every trace
   blocks earn their place.
 
 So: a block whose session vouches for it ranks by that session's return;
-any other ranks as a block of no known session (the book's prior at its
-last access: recency), and, if it was requested only once (this policy's
-``AccessHistory``, which outlives evictions), below every vouched or
-reused block, as cost's doorkeeper would refuse it. A session vouches:
+any other ranks by ``cost``'s order (reuse x recompute cost, decaying with
+idle time, in seconds), in a band below every vouched block, and, if it was
+requested only once (``cost``'s ``AccessHistory``, which outlives
+evictions), in a band below that, as cost's doorkeeper would refuse it. A
+session vouches:
 - when the client named it (an explicit id: ``SessionBook.named_by_client``):
   an agent's next turn reads the tail this turn wrote;
 - when the server inferred it, while inferred sessions describe the traffic
   (``SessionBook.inference.trusted``: they come back, and their turns send
   their earlier blocks again; shared/sessions/inference_trust.py). On the
   SWE-agent trace without its ids they do, and the session order is worth up
-  to 2.7x LRU there; on Mooncake's trace they rarely come back, and on a
-  generated agent trace whose sessions share a system prompt inference
+  to 2.7x LRU there; on Mooncake's trace they rarely come back; on a
+  generated agent trace whose sessions share a system prompt, inference
   merges them, and the session order, with its pins, falls below LRU.
 Only a session that vouches is pinned after its turn (``pin_after_turn``).
+Tables: docs/eviction-policy.md.
 
 Tried and dropped: a finite penalty in place of "below every other block"
 (no value served both Mooncake and agents), and trusting inferred sessions
@@ -50,7 +52,7 @@ from kvmesh.cache_policy.base import BlockInfo
 from kvmesh.cache_policy.cost import CostPolicy
 from kvmesh.cache_policy.session import SessionPolicy
 
-# Bands below every finite session rank (-next_use): blocks no session vouches for rank by recency,
+# Bands below every finite session rank (-next_use): blocks no session vouches for rank by cost's order,
 # new ones (seen once) below reused ones. Ended sessions' blocks (-inf) still go first.
 _REUSED = -1e15
 _NEW = -2e15
