@@ -105,7 +105,10 @@ class SessionBook:
         self.advance(at)
         known = session_id in self._sessions
         s = self._session(session_id)
-        s.explicit = s.explicit or explicit
+        if explicit and not s.explicit:
+            s.explicit = True  # named now (the job may arrive before the event that says so): re-rank its blocks
+            if self.config.track_changes:
+                self._changed.update(s.blocks)
         if isinstance(s.state, float) and s.state < math.inf:
             self._drop_unsent(s, hashes, observe=observe and not s.explicit)
             self.bind(session_id, hashes, at)

@@ -101,3 +101,16 @@ def test_session_signals_move_it_to_the_session_order() -> None:
     r = _rates(trace, ("default", "session", "cost", "lru"), 0.04)
     assert abs(r["default"] - r["session"]) <= 0.01, r
     assert r["default"] >= 1.2 * max(r["cost"], r["lru"]), r
+
+
+def test_a_session_named_after_its_blocks_arrived_is_re_ranked() -> None:
+    """A worker may bind a job's blocks before the started event says the client named the session: once
+    it does, those blocks are handed back for re-keying, so they leave the unvouched band at once."""
+    p = DefaultPolicy()
+    p.book.turn_started("agent", [b"a1", b"a2"], 0.0)  # the job: named or not is not known yet
+    p.book.take_changed()
+    p.on_access(b"a1", 0.0)
+    before = p.priority(_info(b"a1", 0.0), 0.0)
+    p.book.turn_announced("agent", 0.1, explicit=True)  # the started event: the client named it
+    assert {b"a1", b"a2"} <= p.book.take_changed()
+    assert p.priority(_info(b"a1", 0.0), 0.1) > before
