@@ -61,6 +61,7 @@ class _RetentionCollector(Collector):
         ("budget_refusals", "Sessions not pinned because the worker's session pin budget was full."),
         ("partial_retains", "Session chains only a leading part of which fit the pin budget (that part pinned)."),
         ("ended_demoted", "Blocks of ended sessions demoted from L1 at once."),
+        ("group_retains", "Prefixes shared by forked sessions (sub-agents) kept in L1 on their parent's worker."),
     )
 
     def __init__(self, counts: RetentionCounts) -> None:

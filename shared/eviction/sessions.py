@@ -37,6 +37,14 @@ long (within the pin budget, ahead of every session that is away) until the
 turn's end event plans anew. Off by default: pins are references no prefill
 can evict around, and holds for every queued turn stalled admissions live.
 
+Forked sessions (a sub-agent names its parent: `parent_session_id`) form a
+group with their root (shared/eviction/session_groups.py). While any member
+is active (a turn admitted, or expected back within `pin_horizon_s`), the
+run of each parent's chain that its children share is pinned on the
+parent's worker too, within the same budget, and fetched back with a
+member's prefetch; an ended parent's demotion spares the run a child still
+shares, even a child whose first turn is still in flight.
+
 Late and wasted prefetches are counted: late when the session came back
 before its prefetch was sent, wasted when its pin lapsed unused. Everything
 is advice: a lost event or command costs hits, never correctness. State is
@@ -52,6 +60,8 @@ from dataclasses import dataclass, field
 from kvmesh.config import SessionRetentionSettings
 from kvmesh.eviction.messages import Demote, Retain, WorkerCommand
 from kvmesh.eviction.occupancy import OccupancyView
+from kvmesh.eviction.pin_room import PinRoom
+from kvmesh.eviction.session_groups import SessionGroups, SharedPrefix
 from kvmesh.protocol.blocks import Tier
 from kvmesh.sessions.book import SessionBook
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
@@ -71,6 +81,7 @@ class TrackedSession:
     prefetched_at: float | None = None
     started_request: str = ""  # the request whose turn started (announced) and has not ended yet
     ended_request: str = ""  # the latest request whose turn ended: its started event, if late, is stale
+    announced_blocks: int = 0  # the prompt's full blocks its latest started event named
 
 
 @dataclass(slots=True)
@@ -82,6 +93,7 @@ class RetentionCounts:
     budget_refusals: int = 0  # a session that would have been pinned but the budget was full
     partial_retains: int = 0  # only a leading part of the chain fit the budget: that part was pinned
     ended_demoted: int = 0  # blocks of ended sessions demoted at once
+    group_retains: int = 0  # shared prefixes of forked groups pinned (or fetched back) on the parent's worker
     errors: list[float] = field(default_factory=list)  # signed prediction errors (s) not yet exported
 
 
@@ -91,19 +103,20 @@ class SessionRetention:
     def __init__(self, view: OccupancyView, book: SessionBook, settings: SessionRetentionSettings,
                  l1_capacity: int) -> None:
         self.view, self.book, self.settings = view, book, settings
-        self.l1_default = l1_capacity  # a worker's own L1 size comes from its heartbeat (the view)
         self.sessions: OrderedDict[tuple[str, str], TrackedSession] = OrderedDict()
         self.claims: dict[bytes, int] = {}  # block -> tracked sessions whose chain holds it
+        self.groups = SessionGroups()  # forked sessions: their links and the shared prefixes pinned for them
+        # a worker's own L1 size comes from its heartbeat (the view); `l1_capacity` where it states none
+        self.room = PinRoom(view, settings, l1_capacity, self.sessions, self.groups)
         self.counts = RetentionCounts()
 
     def pin_budget(self, worker: str) -> int:
-        """`pin_fraction` of `worker`'s L1, as its heartbeat states it (the service's setting if it did not)."""
-        return int(self.settings.pin_fraction * (self.view.capacity(worker, Tier.L1, self.l1_default) or 0))
+        """`pin_fraction` of `worker`'s L1 (shared/eviction/pin_room.py)."""
+        return self.room.budget(worker)
 
     def pinned_blocks(self, worker: str, now: float) -> int:
         """Distinct blocks the planner has pinned on `worker` (a shared system prompt counts once)."""
-        return len(set().union(*(s.chain[:s.pinned_len] for s in self.sessions.values()
-                                 if s.worker == worker and s.pinned_until > now)))
+        return self.room.pinned(worker, now)
 
     def in_turn(self, tenant: str, session_id: str) -> bool:
         """Whether the book holds the session as in use: a turn started and has not ended."""
@@ -141,11 +154,11 @@ class SessionRetention:
         s = self.settings
         if session.expected_at - now <= s.pin_horizon_s:
             cmd = self._retain(session, now, fetch=False)
-            if cmd is not None:
-                return [cmd]
-            # No room now: pins lapse as sessions come back, so try again as a prefetch before it returns.
-            session.prefetch_at = session.expected_at - s.prefetch_lead_s
-            return []
+            if cmd is None:
+                # No room now: pins lapse as sessions come back, so try again as a prefetch before it returns.
+                session.prefetch_at = session.expected_at - s.prefetch_lead_s
+            return ([] if cmd is None else [cmd]) + self._keep_group(session, now, fetch=False,
+                                                                      until=self._until(session))
         if session.expected_at < math.inf and outlook.p_return >= s.min_p_return:
             session.prefetch_at = session.expected_at - s.prefetch_lead_s
         return []
@@ -161,18 +174,26 @@ class SessionRetention:
         if err is not None:
             self.counts.errors.append(err)
         if session is None:
-            return []  # a first turn: nothing of it is cached yet
+            if ev.parent_session_id is None:
+                return []  # a first turn: nothing of it is cached yet
+            # A forked session's first turn: its prompt starts with what it shares with its parent.
+            walked = self._chain(ev)
+            session = self._track(key, ev, walked if len(walked) == ev.chain_blocks else [])
         self.sessions.move_to_end(key)
+        self._link(key, ev)
         session.started_request, session.prefetch_at, session.prefetched_at = ev.request_id, None, None
+        session.announced_blocks = ev.chain_blocks
         session.expected_at = session.deadline = ev.at  # back now: ahead of every session still away
+        out = self._keep_group(session, now, fetch=False, until=ev.at + self.settings.pin_horizon_s)
         if not session.chain or not session.worker or self.settings.in_use_hold_s <= 0:
-            return []
+            return out
         cmd = self._retain(session, now, fetch=False, until=now + self.settings.in_use_hold_s)
-        return [] if cmd is None else [cmd]
+        return out if cmd is None else [cmd, *out]
 
     def tick(self, now: float) -> list[WorkerCommand]:
         """Prefetches that are due; lapsed pins of prefetched sessions that never came back are counted."""
         self.book.advance(now)
+        self.groups.prune(now)
         out: list[WorkerCommand] = []
         for session in list(self.sessions.values()):
             if session.prefetched_at is not None and 0.0 < session.pinned_until <= now:
@@ -185,6 +206,7 @@ class SessionRetention:
                     session.prefetched_at = now
                     self.counts.prefetches += 1
                     out.append(cmd)
+                    out += self._keep_group(session, now, fetch=True, until=session.pinned_until)
         return out
 
     # --- internals ---------------------------------------------------------
@@ -217,6 +239,7 @@ class SessionRetention:
         session.worker = ev.worker or session.worker
         session.tenant_salt = ev.tenant_salt or session.tenant_salt
         self.sessions[key] = session  # most recently active last
+        self._link(key, ev)
         while len(self.sessions) > self.settings.max_sessions:
             oldest = next(iter(self.sessions))
             self._forget(oldest)  # the book bounds its own sessions
@@ -226,6 +249,11 @@ class SessionRetention:
         session = self.sessions.pop(key, None)
         if session is not None:
             self._claim(session.chain, -1)
+        self.groups.forget(key)
+
+    def _link(self, key: tuple[str, str], ev: SessionEvent) -> None:
+        if ev.parent_session_id is not None:
+            self.groups.link(key, (ev.tenant, ev.parent_session_id))
 
     def _claim(self, chain: list[bytes], delta: int) -> None:
         for h in chain:
@@ -238,8 +266,8 @@ class SessionRetention:
     def _retain(self, session: TrackedSession, now: float, fetch: bool,
                 until: float | None = None) -> WorkerCommand | None:
         if until is None:
-            until = min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
-        n = self._room(session, now)
+            until = self._until(session)
+        n = self.room.room(session.worker, session.chain, now, session)
         if n == 0:
             self.counts.budget_refusals += 1
             return None
@@ -252,46 +280,43 @@ class SessionRetention:
         cid = f"{kind}-{session.worker}-{session.chain[n - 1].hex()[:32]}-{int(until)}"
         return WorkerCommand(worker=session.worker, command_id=cid, command=cmd)
 
-    def _room(self, session: TrackedSession, now: float) -> int:
-        """How many leading blocks of `session`'s chain fit its worker's pin budget (distinct blocks: what
-        its sessions share counts once) beside what the worker already holds for others. A chain longer
-        than the room is pinned in part: its leading blocks are what the next turn reuses first, and a
-        prefix pinned saves its recompute even when the tail is not (as the engine's pin ledger does).
+    def _until(self, session: TrackedSession) -> float:
+        """When a pin for the session's predicted return lapses."""
+        return min(session.deadline, session.expected_at + self.settings.pin_horizon_s) + self.settings.pin_margin_s
 
-        A worker's pin only extends, never shrinks, so a pin granted earlier holds its blocks until its
-        own deadline: it counts until then, whoever is expected back first. The chains of the other
-        sessions whose turn was admitted on that worker (within the pin horizon: a lost end event stops
-        counting then) count too, pinned or not: their prefills need that room now. So the pins on a
-        worker plus the chains being prefilled never pass the budget.
+    def _keep_group(self, member: TrackedSession, now: float, fetch: bool, until: float) -> list[WorkerCommand]:
+        """`member` is active until `until`: pin (with `fetch`: bring back) its group's shared prefixes."""
+        out = []
+        for prefix in self.groups.shared_prefixes(member.key, self.sessions):
+            cmd = self._pin_prefix(prefix, now, fetch, until)
+            if cmd is not None:
+                out.append(cmd)
+        return out
 
-        Pins need not leave room for the worker's largest next prompt: when it does not fit and nothing
-        else can run, the worker unpins idle blocks (`PinSet.yield_idle`), so a pin can hold a prefill
-        back only while others run, never stall it. (Reserving that room refused nearly every pin on
-        an L1 that a few long chains fill: 169 of 172 in `bench agents` at 1,536 blocks.)"""
-        horizon = self.settings.pin_horizon_s
-        held: set[bytes] = set()
-        for s in self.sessions.values():
-            if s.worker != session.worker or s is session:
-                continue
-            if s.started_request and now < s.expected_at + horizon:
-                held.update(s.chain)  # its prefill needs all of it
-            elif s.pinned_until > now:
-                held.update(s.chain[:s.pinned_len])
-        free, n = self.pin_budget(session.worker) - len(held), 0
-        for h in session.chain:
-            if h not in held:
-                if free <= 0:
-                    break
-                free -= 1
-            n += 1
-        return n
+    def _pin_prefix(self, prefix: SharedPrefix, now: float, fetch: bool, until: float) -> WorkerCommand | None:
+        """A Retain of the leading part of `prefix` that fits the budget; None if already pinned that long
+        (a member's own pin on the same worker covers it) or if nothing fits."""
+        if not fetch and self.room.covered(prefix.worker, prefix.blocks[-1], until):
+            return None
+        n = self.room.room(prefix.worker, prefix.blocks, now)
+        if n == 0:
+            self.counts.budget_refusals += 1
+            return None
+        blocks = self.groups.pin(prefix.worker, prefix.blocks[:n], until)
+        self.counts.partial_retains += n < len(prefix.blocks)
+        self.counts.group_retains += 1
+        cmd = Retain(hashes=[h.hex() for h in blocks], until=until, fetch=fetch,
+                     tenant_salt=self.sessions[prefix.owner].tenant_salt, session_id=prefix.owner[1])
+        cid = f"group-{'prefetch' if fetch else 'retain'}-{prefix.worker}-{blocks[-1].hex()[:32]}-{int(until)}"
+        return WorkerCommand(worker=prefix.worker, command_id=cid, command=cmd)
 
     def _demote_unshared(self, session: TrackedSession) -> list[WorkerCommand]:
         if not session.worker:
             return []
         in_l1 = self.view.workers.get(session.worker)
         held = in_l1.tiers[Tier.L1] if in_l1 is not None else set()
-        mine = [h for h in reversed(session.chain) if self.claims.get(h, 0) <= 1 and h in held]
+        shared = self.groups.kept_for_children(session.key, self.sessions)  # its children read that run
+        mine = [h for h in reversed(session.chain[shared:]) if self.claims.get(h, 0) <= 1 and h in held]
         if not mine:
             return []
         self.counts.ended_demoted += len(mine)

@@ -22,7 +22,8 @@ One `SessionEvent` per admitted turn (``started``) and one per ended turn go
 to `subjects.SESSION_EVENTS` (stream SESSIONS), in that order per turn. `last_hash` is the last full block of the turn's chain
 (the prompt plus what was generated, as far as blocks are full), so a
 consumer can find the whole chain from it (the index, the KV events).
-`expected_return_ms` is the client's hint, when it gave one. Consumers
+`expected_return_ms` is the client's hint, when it gave one;
+`parent_session_id` names a forked session's parent. Consumers
 (eviction, routing) treat events as advice: a lost one costs cache hits,
 never correctness.
 """
@@ -46,7 +47,7 @@ class TurnOutcome(StrEnum):
 class SessionEvent(Message):
     """Session `session_id` of `tenant` ended a turn (or ended), or started one (`STARTED`), at `at` (unix s)."""
 
-    SCHEMA_VERSION = 2  # 2: `named`
+    SCHEMA_VERSION = 2  # 2: `named`, `parent_session_id`
 
     tenant: str = Field(min_length=1)
     tenant_salt: str = ""  # hex, as in the session's jobs: what a worker needs to prefetch its blocks
@@ -64,4 +65,8 @@ class SessionEvent(Message):
     # The client named the session (its id came with the request) rather than the ingress inferring it:
     # the default eviction policy trusts a named session's new blocks (shared/cache_policy/default.py).
     named: bool = False
+    # The session this one was forked from (a sub-agent's parent), scoped to `tenant` as `session_id` is;
+    # named by the client or inferred from a shared chain. Retention keeps the prefix they share while
+    # any session of their group is active (shared/eviction/session_groups.py). None: a root session.
+    parent_session_id: str | None = Field(default=None, min_length=1)
     at: float

@@ -19,8 +19,10 @@ leaves actions it does not own; their shape is still checked.
 `speculative_prefill`, `latency_sensitivity`) carries no return time or end;
 it is checked and has no effect yet. Dynamo's session lifecycle travels in
 headers: `x-dynamo-session-final` is the end hint here; the session id header
-is an explicit source in shared/sessions/identity.py; the parent session and
-the priority headers are checked only.
+is an explicit source in shared/sessions/identity.py; the parent session
+header names a sub-agent's parent after kvmesh's own
+(shared/sessions/lineage.py) and is checked here whenever present; the
+priority headers are checked only.
 
 Every function is pure: given any JSON value or header text it returns hints
 or raises `SessionInputError` naming the offending field, nothing else.

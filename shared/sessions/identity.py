@@ -22,7 +22,9 @@ Hints (both optional; a header wins over the body extension, which wins
 over the same hint in another system's format, shared/sessions/foreign_hints.py):
 `x-kvmesh-expected-return-ms` / `"kvmesh": {"expected_return_ms": N}` (when
 the client expects to send the next turn) and `x-kvmesh-session-end: true` /
-`"kvmesh": {"session_end": true}` (this is the session's last turn).
+`"kvmesh": {"session_end": true}` (this is the session's last turn). The
+extension's third field, `parent_session_id`, names the session a sub-agent
+was forked from (shared/sessions/lineage.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ HDR_EXPECTED_RETURN = "x-kvmesh-expected-return-ms"
 HDR_SESSION_END = "x-kvmesh-session-end"
 BODY_EXTENSION = "kvmesh"
 
-_EXTENSION_KEYS = frozenset({"expected_return_ms", "session_end"})
+_EXTENSION_KEYS = frozenset({"expected_return_ms", "session_end", "parent_session_id"})  # the last: lineage.py
 _TRUE, _FALSE = frozenset({"true", "1", "yes"}), frozenset({"false", "0", "no"})
 
 

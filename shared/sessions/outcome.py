@@ -111,6 +111,7 @@ class EventFacts:
     started_at: float | None = None
     chain: Chain = field(default_factory=Chain)
     named: bool = False  # the client named the session
+    parent_session_id: str | None = None  # the session it was forked from, scoped to the tenant
 
 
 def session_event(facts: EventFacts, outcome: TurnOutcome, tools: list[str], at: float) -> SessionEvent:
@@ -118,7 +119,8 @@ def session_event(facts: EventFacts, outcome: TurnOutcome, tools: list[str], at:
                         request_id=facts.request_id, outcome=outcome, tools=tools,
                         last_hash=facts.chain.last_hash, chain_blocks=facts.chain.blocks,
                         worker=facts.chain.worker, expected_return_ms=facts.expected_return_ms,
-                        started_at=facts.started_at, named=facts.named, at=at)
+                        started_at=facts.started_at, named=facts.named,
+                        parent_session_id=facts.parent_session_id, at=at)
 
 
 def event_msg_id(facts: EventFacts, outcome: TurnOutcome) -> str:

@@ -120,6 +120,54 @@ async def test_a_session_in_a_tool_call_is_retained_on_its_worker(fresh_nats_ser
     assert svc.retention.counts.retains == 1
 
 
+async def test_forked_sessions_share_retention(fresh_nats_server) -> None:
+    """A sub-agent in a tool call keeps the prefix it shares with its idle parent on the parent's worker, and
+    the parent's end spares it; an unlinked pair, sent first, gets no such pin (the old behaviour)."""
+    url = fresh_nats_server.url
+    lead_w, sub_w, lone_lead_w, lone_sub_w = (unique(n) for n in ("lead", "sub", "lone-lead", "lone-sub"))
+    shared, lone_shared = chain(5, "fork-context"), chain(5, "lone-context")
+    lead, sub = shared + chain(2, "lead-tail"), shared + chain(2, "sub-tail")
+    lone_lead, lone_sub = lone_shared + chain(2, "lone-lead"), lone_shared + chain(2, "lone-sub")
+    async with service(url, l1_capacity=100) as svc, connected(url, "test") as nc:
+        for worker, blocks in ((lead_w, lead), (sub_w, sub), (lone_lead_w, lone_lead), (lone_sub_w, lone_sub)):
+            async with worker_events(url, worker) as pub:
+                pub.stored(blocks, Tier.L1, tokens_per_block=16)
+                await pub.flushed()
+        await eventually(lambda: all(b[-1] in svc.view.stats for b in (lead, sub, lone_lead, lone_sub)), 10,
+                         "the service saw every chain")
+        now = time.time()
+
+        def turn(session: str, blocks: list[bytes], worker: str, outcome: TurnOutcome, return_ms: int | None,
+                 parent: str | None = None) -> bytes:
+            return SessionEvent(tenant="t", tenant_salt="cd" * 16, session_id=session, request_id=unique("r"),
+                                outcome=outcome, last_hash=blocks[-1].hex() if blocks else None,
+                                chain_blocks=len(blocks), worker=worker, expected_return_ms=return_ms,
+                                started_at=now - 1, at=now, parent_session_id=parent).to_bytes()
+
+        js = nc.jetstream()
+        idle, tool_call = (TurnOutcome.ANSWER, 600_000), (TurnOutcome.TOOL_CALLS, 2000)  # back in 10 min / 2 s
+        for session, blocks, worker, (outcome, back_ms), parent in (
+                ("lone-lead", lone_lead, lone_lead_w, idle, None), ("lone-sub", lone_sub, lone_sub_w, tool_call, None),
+                ("lead", lead, lead_w, idle, None), ("sub", sub, sub_w, tool_call, "lead")):
+            await js.publish(subjects.SESSION_EVENTS, turn(session, blocks, worker, outcome, back_ms, parent))
+        on_lead = await js.pull_subscribe(subjects.commands(lead_w), durable=unique("cmd"), stream=COMMANDS.name)
+        [kept] = await on_lead.fetch(1, timeout=10)
+        await kept.ack()
+        group = WorkerCommand.from_bytes(kept.data)
+        assert isinstance(group.command, Retain) and not group.command.fetch
+        assert [bytes.fromhex(h) for h in group.command.hashes] == shared  # what the two share, on the lead's worker
+        assert group.command.until >= now + 2 and all(svc.pins.pinned(h, now + 1) for h in shared)
+        # everything before it was handled by then: the unlinked pair's idle lead got nothing
+        assert not [c for c in svc.sent if c.worker == lone_lead_w]
+        assert svc.retention.counts.group_retains == 1
+
+        await js.publish(subjects.SESSION_EVENTS, turn("lead", [], lead_w, TurnOutcome.ENDED, None))
+        [ended] = await on_lead.fetch(1, timeout=10)
+        await ended.ack()
+        demote = WorkerCommand.from_bytes(ended.data).command
+        assert isinstance(demote, Demote) and [bytes.fromhex(h) for h in demote.hashes] == lead[:4:-1]
+
+
 async def test_new_worker_is_warmed_with_the_hottest_l3_chunks(fresh_nats_server, s3_server) -> None:
     url = fresh_nats_server.url
     fp = "fp-warm-0123"

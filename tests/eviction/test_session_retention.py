@@ -230,3 +230,20 @@ def test_the_budget_is_a_share_of_each_workers_own_l1() -> None:
     [part] = p.on_event(event("a", on_w1, TurnOutcome.TOOL_CALLS, T0, hint_s=2.0), T0)
     assert len(whole.command.hashes) == 120 and len(part.command.hashes) == 40
     assert (p.pin_budget("big"), p.pin_budget("w1")) == (160, 40)
+
+
+def test_a_pin_sharing_blocks_with_a_queued_turn_still_fits_the_budget() -> None:
+    """A block of a chain being prefilled is no free room for a pin: pins sharing a system prompt with a
+    queued turn stay within the budget (they once reached 60 of 40 blocks)."""
+    p = planner()  # budget: 40 blocks
+    other = chain_in(p.view, "w1", [f"o{i}" for i in range(30)])
+    p.on_event(event("o", other, TurnOutcome.TOOL_CALLS, T0, hint_s=5.0, tools=("bash",)), T0)  # 30 pinned
+    system = [f"sys{i}" for i in range(30)]
+    queued = chain_in(p.view, "w1", [*system, "q"])
+    p.on_event(event("q", queued, TurnOutcome.ANSWER, T0, hint_s=600.0), T0)
+    p.on_event(started("q", "r-q-2", T0 + 1), T0 + 1)  # admitted: its 31 blocks are being prefilled
+    back = chain_in(p.view, "w1", [*system, "b"])
+    # the system prompt it shares with the queued turn takes no room the prefills need, but pins' room it does
+    [part] = p.on_event(event("b", back, TurnOutcome.TOOL_CALLS, T0 + 2, hint_s=5.0, tools=("bash",)), T0 + 2)
+    assert [bytes.fromhex(h) for h in part.command.hashes] == back[:10]
+    assert p.pinned_blocks("w1", T0 + 2) == p.pin_budget("w1") == 40

@@ -54,6 +54,7 @@ def test_openai_sdk_sends_vllm_and_dynamo_hints(stack: ServingStack) -> None:
     assert headers["x-session-id"] == sid  # Dynamo's session header named the session
     ev = turn_of(stack, sid)
     assert ev.expected_return_ms == 45_000 and ev.outcome is TurnOutcome.ANSWER and ev.tenant == "foreign"
+    assert ev.parent_session_id == scoped_session_id("foreign", "orchestrator-1")  # Dynamo's subagent parent
 
     # Dynamo's final marker ends the session; kvmesh's own return hint wins over the vLLM claim
     end = unique("dyn-end")

@@ -10,6 +10,7 @@ format with nothing published. The inference table is also checked on its own.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -340,6 +341,12 @@ def test_bad_input_is_a_dialect_error_and_publishes_nothing(stack: ServingStack)
     with pytest.raises(openai.BadRequestError) as err:
         chat(stack, msgs, extra_body={"kvmesh": {"session_ends": True}})
     assert err.value.body["param"] == "kvmesh.session_ends"
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(stack, msgs, extra_headers={"x-kvmesh-parent-session-id": "p" * 300})
+    assert err.value.body["param"] == "x-kvmesh-parent-session-id"
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(stack, msgs, extra_body={"kvmesh": {"parent_session_id": ["lead"]}})
+    assert err.value.body["param"] == "kvmesh.parent_session_id"
     with pytest.raises(anthropic.BadRequestError) as aerr:
         ant(stack).messages.create(model=stack.model_dir.name, max_tokens=3, messages=msgs,
                                    metadata={"user_id": "u" * 300})
@@ -365,3 +372,54 @@ def test_kv_events_name_the_session_and_hold_the_events_last_block(stack: Servin
     asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, names_it, 30.0))
     asyncio.run(_wait(stack.nats.url, "KV_EVENTS", subjects.KV_EVENTS_ALL, holds_last, 30.0))
     assert ev.worker == "prefill-0"  # retention keeps the session where its next prefill reads
+
+
+def started_event(stack: ServingStack, request_id: str) -> SessionEvent:
+    data = asyncio.run(_wait(stack.nats.url, "SESSIONS", subjects.SESSION_EVENTS, lambda d: (
+        e := SessionEvent.from_bytes(d)).outcome is TurnOutcome.STARTED and e.request_id == request_id, 30.0))
+    return SessionEvent.from_bytes(data)
+
+
+def test_a_sub_agent_names_its_parent_or_is_found_to_be_forked(stack: ServingStack) -> None:
+    system = {"role": "system", "content": "You plan work and hand steps to helpers. " * 3}
+    lead = unique("lead")
+    _, r1 = chat(stack, [system, {"role": "user", "content": unique("plan the release")}],
+                 extra_headers={"x-session-id": lead})
+    assert event_where(stack, lambda e: e.request_id == rid(r1.id)).parent_session_id is None  # a root
+    scoped_lead = scoped_session_id("sess-a", lead)
+    # a sub-agent names its lead in the header (both of its turn's events carry it), or in the body extension
+    step = [system, {"role": "user", "content": unique("write the changelog")}]
+    h2, r2 = chat(stack, step, extra_headers={"x-session-id": unique("helper"), "x-kvmesh-parent-session-id": lead})
+    ev = event_where(stack, lambda e: e.request_id == rid(r2.id))
+    assert ev.parent_session_id == scoped_lead and ev.session_id == scoped_session_id("sess-a", h2["x-session-id"])
+    assert started_event(stack, rid(r2.id)).parent_session_id == scoped_lead
+    _, r3 = chat(stack, [system, {"role": "user", "content": unique("tag the build")}],
+                 extra_body={"kvmesh": {"parent_session_id": lead}})
+    assert event_where(stack, lambda e: e.request_id == rid(r3.id)).parent_session_id == scoped_lead
+    # /v1/responses keeps it when the session comes from previous_response_id
+    c = oai(stack)
+    first = c.responses.create(model=stack.model_dir.name, input=unique("check the docs"), max_output_tokens=3,
+                               extra_headers={"x-kvmesh-parent-session-id": lead})
+    sent = time.time()
+    then = c.responses.with_raw_response.create(model=stack.model_dir.name, input="and the tests",
+                                                max_output_tokens=3, previous_response_id=first.id,
+                                                extra_headers={"x-kvmesh-parent-session-id": lead})
+    scoped = scoped_session_id("sess-a", then.headers["x-session-id"])
+    ev = event_where(stack, lambda e: e.session_id == scoped and e.started_at is not None and e.started_at >= sent)
+    assert ev.parent_session_id == scoped_lead
+
+    # No id, no header: a conversation that branches off another one's own turns is its fork
+    task = "Read the design notes and the failing test output, then list every assumption you make. " * 2
+    history = [system, {"role": "user", "content": unique("triage the bug")}]
+    h4, r4 = chat(stack, history)
+    history.append({"role": "assistant", "content": r4.choices[0].message.content})
+    h5, _ = chat(stack, [*history, {"role": "user", "content": task + "Report to me."}])
+    assert h5["x-session-id"] == h4["x-session-id"]  # the conversation went on
+    h6, r6 = chat(stack, [*history, {"role": "user", "content": task + "Report to the team."}])
+    assert h6["x-session-id"] != h4["x-session-id"]  # a new session, branching after the first answer
+    ev = event_where(stack, lambda e: e.request_id == rid(r6.id))
+    assert ev.parent_session_id == scoped_session_id("sess-a", h4["x-session-id"])
+    # sharing only the system prompt is not a fork
+    _, r7 = chat(stack, [system, {"role": "user", "content": unique("triage another bug")}])
+    assert event_where(stack, lambda e: e.request_id == rid(r7.id)).parent_session_id is None
+    assert 'kvmesh_ingress_session_parents_total{source="inferred"}' in stack.metrics()

@@ -20,6 +20,7 @@ class IngressMetrics:
     stale_events: Counter  # token events of a replaced attempt (a zombie after a migration), dropped
     in_flight: Gauge
     sessions: Counter  # requests by where their session came from (identity.Source); never by session id
+    session_parents: Counter  # requests of forked sessions, by where the parent came from (lineage.ParentSource)
     session_events: Counter  # published, by outcome
     session_event_failures: Counter  # session events that could not be published (the request still succeeds)
     outcome_checks: Counter  # a turn's published outcome against what the next request showed it was
@@ -41,6 +42,10 @@ class IngressMetrics:
             in_flight=Gauge("kvmesh_ingress_in_flight", "Requests being generated now.", registry=registry),
             sessions=Counter("kvmesh_ingress_sessions", "Requests by the source of their session: an explicit "
                              "field, inferred from the chain, or new.", ("source",), registry=registry),
+            session_parents=Counter("kvmesh_ingress_session_parents", "Requests whose session was forked from "
+                                    "another (a sub-agent), by where its parent came from: a header, the body "
+                                    "extension, Dynamo's header, or inferred from the chain.", ("source",),
+                                    registry=registry),
             session_events=Counter("kvmesh_ingress_session_events", "Session events published, by outcome.",
                                    ("outcome",), registry=registry),
             session_event_failures=Counter("kvmesh_ingress_session_event_failures", "Session events not "

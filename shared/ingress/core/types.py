@@ -24,7 +24,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingSpec
     session_id: str | None = None
-    affinity_key: str | None = None  # prompt_cache_key, else session id: routes to the same workers
+    affinity_key: str | None = None  # prompt_cache_key, else the session group root's id: routes to the same workers
     pins: list[CachePin] = field(default_factory=list)
     prefill_only: bool = False  # named-cache creation: store the prompt's blocks, generate nothing
     block_hashes: list[bytes] | None = None  # the prompt's full blocks as the workers hash them, if known

@@ -41,14 +41,15 @@ def generation_request(adm: Admitted, prompt_ids: list[int], sampling: SamplingS
                        cache_key: str | None = None, pins: Sequence[CachePin] = (),
                        prefill_only: bool = False) -> GenerationRequest:
     """The request a dialect hands the gateway. With a `turn` it runs in the turn's session, routed by
-    `cache_key` (prompt_cache_key) or else the session; without one (named-cache creation) in the
-    `x-session-id` header's session, routed by load."""
+    `cache_key` (prompt_cache_key) or else the session's group root (a forked session goes where its root,
+    and so the prefix they share, lives); without one (named-cache creation) in the `x-session-id`
+    header's session, routed by load."""
     session = turn.session_id if turn is not None else adm.session_id
     named = turn is not None and adm.state.sessions.hasher.named
     return GenerationRequest(
         request_id=adm.request_id, tenant=adm.principal.tenant, tenant_salt=adm.principal.salt,
         prompt_ids=prompt_ids, sampling=sampling, session_id=session,
-        affinity_key=(cache_key or session) if turn is not None else None, pins=list(pins),
+        affinity_key=(cache_key or turn.group_session_id) if turn is not None else None, pins=list(pins),
         prefill_only=prefill_only, block_hashes=turn.prompt_hashes if named else None,
         on_dispatched=(lambda: adm.state.sessions.announce(turn)) if turn is not None else None,
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from kvmesh.lru import BoundedLRU
 from kvmesh.sessions.events import TurnOutcome
 from kvmesh.sessions.identity import SessionRef
+from kvmesh.sessions.lineage import ParentRef
 from kvmesh.sessions.outcome import Chain
 
 ROOT = b""  # the anchor of a sequence shorter than one block
@@ -44,6 +45,12 @@ class SessionRecord:
     published: TurnOutcome | None = None  # how its last turn was published
     anchors: list[AnchorKey] = field(default_factory=list)
     ended: bool = False  # kept (without anchors) so a repeated end names the same chain
+    # Forks (shared/ingress/sessions/forks.py): the parent, the group's root ("": itself), the length in
+    # tokens of the first prompt this process saw of it, and how far its chain is in the fork index.
+    parent: ParentRef | None = None
+    root: str = ""
+    first_tokens: int | None = None
+    indexed: tuple[int, bytes] = (0, b"")  # (leading blocks indexed, the last of them)
 
 
 def anchor_of(ids: Sequence[int], hashes: Sequence[bytes], block_size: int) -> AnchorKey:

@@ -7,6 +7,10 @@ A dialect route calls, in order:
 2. `tracker.begin(adm, inputs, prompt_ids, evidence)` once the prompt is
    tokenized: the explicit session, else the one the prompt's chain continues
    (shared/ingress/sessions/table.py), else a new one (`auto-<request hex>`).
+   Its parent, for a forked session (a sub-agent): the one the request names
+   (shared/sessions/lineage.py), else the one its earlier turns had, else,
+   on a session's first turn, the one its prompt was forked from
+   (shared/ingress/sessions/forks.py); the group's root is the parent's root.
    The tenant-scoped id goes into the job (and so the workers' KV events);
    logs carry the client's id as `session_id` (as the middleware bound the
    header), with `scoped_session_id` and `session_source`; the client's id
@@ -40,7 +44,8 @@ import structlog
 from kvmesh.bus.publish import Publisher
 from kvmesh.ingress.core.metrics import IngressMetrics
 from kvmesh.ingress.core.types import Usage
-from kvmesh.ingress.sessions.table import SessionTable, anchor_of
+from kvmesh.ingress.sessions.forks import ForkIndex
+from kvmesh.ingress.sessions.table import SessionRecord, SessionTable, anchor_of
 from kvmesh.ingress.sessions.traffic import TrafficRecorder, build_record
 from kvmesh.ingress.sessions.turn import SessionInputs, Turn, TurnRequest
 from kvmesh.log import get_logger
@@ -52,6 +57,7 @@ from kvmesh.sessions.identity import (
     Source,
     scoped_session_id,
 )
+from kvmesh.sessions.lineage import ParentRef, ParentSource
 from kvmesh.sessions.outcome import (
     Chain,
     EventFacts,
@@ -94,8 +100,9 @@ class SessionTracker:
     """One per ingress process (on `IngressState.sessions`); see the module docstring."""
 
     def __init__(self, table: SessionTable, hasher: ChainHasher, metrics: IngressMetrics,
-                 publisher: Publisher | None) -> None:
+                 publisher: Publisher | None, forks: ForkIndex | None = None) -> None:
         self.table, self.hasher, self.metrics, self.publisher = table, hasher, metrics, publisher
+        self.forks = forks if forks is not None else ForkIndex(hasher.block_size)
         self._pending: set[asyncio.Task[None]] = set()
         self.traffic: TrafficRecorder | None = None  # set by the service wiring (shared/ingress/server/service.py)
 
@@ -114,9 +121,33 @@ class SessionTracker:
         self.metrics.sessions.labels(ref.source.value).inc()
         structlog.contextvars.bind_contextvars(session_id=ref.client_id, scoped_session_id=ref.session_id,
                                                session_source=ref.source.value)
-        turn = Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
-                    adm.path, time.monotonic())
-        return turn
+        parent = self._parent(ref, given.parent, previous, hashes)
+        if parent is not None:
+            self.metrics.session_parents.labels(parent.source.value).inc()
+            structlog.contextvars.bind_contextvars(parent_session_id=parent.client_id,
+                                                   parent_source=parent.source.value)
+        return Turn(ref, given.hints, evidence, adm.request_id, adm.principal.salt, time.time(), prompt_ids, hashes,
+                    adm.path, time.monotonic(), parent, self._root(ref, parent))
+
+    def _parent(self, ref: SessionRef, named: ParentRef | None, previous: SessionRecord | None,
+                prompt_hashes: list[bytes]) -> ParentRef | None:
+        """The parent the request names (a session is never its own), else the one the session's earlier turns
+        had, else, on its first turn here, the session its prompt was forked from (forks.py)."""
+        if named is not None and named.client_id != ref.client_id:
+            return named
+        if previous is not None:
+            return previous.parent
+        found = self.forks.parent_of(ref.tenant, ref.client_id, prompt_hashes, self.table)
+        return None if found is None else ParentRef(found.ref.client_id, ParentSource.INFERRED)
+
+    def _root(self, ref: SessionRef, parent: ParentRef | None) -> str:
+        """The client id of the group's root: the parent's root as far as this process knows it ("": the
+        session is its own root, also when the parent's root turns out to be the session itself)."""
+        if parent is None:
+            return ""
+        known = self.table.get(ref.tenant, parent.client_id)
+        root = (known.root or parent.client_id) if known is not None else parent.client_id
+        return "" if root == ref.client_id else root
 
     def announce(self, turn: Turn) -> None:
         """Publish the turn's started event (background; a failure costs the signal, never the request).
@@ -125,7 +156,8 @@ class SessionTracker:
             named = self.hasher.named and bool(turn.prompt_hashes)
             chain = Chain(turn.prompt_hashes[-1].hex() if named else None, len(turn.prompt_hashes) if named else 0)
             facts = EventFacts(turn.ref.tenant, turn.tenant_salt, turn.session_id, turn.request_id,
-                               turn.hints.expected_return_ms, turn.started_at, chain, turn.ref.named)
+                               turn.hints.expected_return_ms, turn.started_at, chain, turn.ref.named,
+                               turn.parent_session_id)
             self._publish_later(started_event(facts), started_msg_id(facts))
         except Exception:  # noqa: BLE001 - advice lost, never the client's request
             self.metrics.session_event_failures.inc()
@@ -163,19 +195,24 @@ class SessionTracker:
         chain = Chain(fed[-1].hex() if fed and self.hasher.named else None,
                       len(fed) if self.hasher.named else 0, worker)
         anchors = [anchor_of(prompt, turn.prompt_hashes, self.hasher.block_size)]
+        quoted = turn.prompt_hashes  # the chain the next prompt starts with
         if answer_ids:
             extended = [*prompt, *answer_ids]
-            anchors.append(anchor_of(extended, self.hasher.extend(turn.prompt_hashes, extended, salt),
-                                     self.hasher.block_size))
+            quoted = self.hasher.extend(turn.prompt_hashes, extended, salt)
+            anchors.append(anchor_of(extended, quoted, self.hasher.block_size))
         outcome, tools = classify(TurnEnd(turn.evidence, finish_reason, turn.hints.session_end, parsed_tools))
         rec = self.table.record(turn.ref)
         rec.last_request_id, rec.chain, rec.published, rec.ended = turn.request_id, chain, outcome, False
+        rec.parent, rec.root = turn.parent, turn.root
+        if rec.first_tokens is None:
+            rec.first_tokens = len(prompt)
+        self.forks.index(rec, quoted)
         if outcome is TurnOutcome.ENDED:
             self.table.end(turn.ref.tenant, turn.ref.client_id)
         else:
             self.table.turn_ended(rec, anchors)
         facts = EventFacts(turn.ref.tenant, salt, turn.session_id, turn.request_id, turn.hints.expected_return_ms,
-                           turn.started_at, chain, turn.ref.named)
+                           turn.started_at, chain, turn.ref.named, turn.parent_session_id)
         self._publish_later(session_event(facts, outcome, tools, time.time()), event_msg_id(facts, outcome))
 
     async def end(self, tenant: str, tenant_salt: str, client_id: str) -> SessionEvent:
@@ -185,7 +222,9 @@ class SessionTracker:
         (another replica may have served them), so ending is idempotent and never a 404."""
         rec = self.table.end(tenant, client_id)
         chain = rec.chain if rec is not None else Chain()
-        facts = EventFacts(tenant, tenant_salt, scoped_session_id(tenant, client_id), chain=chain)
+        parent = rec.parent if rec is not None else None
+        facts = EventFacts(tenant, tenant_salt, scoped_session_id(tenant, client_id), chain=chain,
+                           parent_session_id=None if parent is None else scoped_session_id(tenant, parent.client_id))
         event = session_event(facts, TurnOutcome.ENDED, [], time.time())
         await self._publish(event, event_msg_id(facts, TurnOutcome.ENDED))
         return event

@@ -21,7 +21,9 @@ from kvmesh.sessions.identity import (
     explicit_anthropic,
     explicit_openai,
     hints,
+    scoped_session_id,
 )
+from kvmesh.sessions.lineage import ParentRef, named_parent
 from kvmesh.sessions.outcome import ToolEvidence
 
 
@@ -39,15 +41,17 @@ class TurnRequest(Protocol):
 class SessionInputs:
     explicit: tuple[Source, str] | None
     hints: SessionHints
+    parent: ParentRef | None = None  # the parent session the request names (shared/sessions/lineage.py)
 
 
 def inputs(adm: TurnRequest, dialect: Dialect) -> SessionInputs:
-    """The session id the request names and its hints, kvmesh's own first, then vLLM's and Dynamo's
-    (shared/sessions/foreign_hints.py); a malformed one is a 400 (nothing published)."""
+    """The session id the request names, its hints and its session's parent, kvmesh's own first, then vLLM's
+    and Dynamo's (shared/sessions/foreign_hints.py); a malformed one is a 400 (nothing published)."""
     find = explicit_anthropic if dialect is Dialect.ANTHROPIC else explicit_openai
     try:
         foreign = foreign_hints(adm.headers, adm.body)
-        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body, foreign))
+        return SessionInputs(find(adm.headers, adm.body), hints(adm.headers, adm.body, foreign),
+                             named_parent(adm.headers, adm.body))
     except SessionInputError as exc:
         raise invalid(exc.message, param=exc.param) from None
 
@@ -66,10 +70,21 @@ class Turn:
     prompt_hashes: list[bytes]
     path: str = ""  # the route (the traffic record's api)
     started_mono: float = 0.0  # time.monotonic() at begin: the traffic record's TTFT counts from it
+    parent: ParentRef | None = None  # the session this one was forked from (named or inferred)
+    root: str = ""  # the client id of its group's root ("": the session is its own root)
 
     @property
     def session_id(self) -> str:
         return self.ref.session_id
+
+    @property
+    def parent_session_id(self) -> str | None:
+        return None if self.parent is None else scoped_session_id(self.ref.tenant, self.parent.client_id)
+
+    @property
+    def group_session_id(self) -> str:
+        """The scoped id of the session's group root: routing's affinity key, so the group shares a home."""
+        return scoped_session_id(self.ref.tenant, self.root) if self.root else self.session_id
 
     def header(self) -> dict[str, str]:
         """The response header naming the session (an inferred one's id is how a client can end it)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -52,7 +52,7 @@ from kvmesh.ingress.dialects.responses.output import (
 from kvmesh.ingress.dialects.responses.store import ResponseStore, StoredResponse
 from kvmesh.ingress.dialects.responses.stream import OutputBuilder
 from kvmesh.ingress.dialects.responses.tools import ToolPlan, plan_tools
-from kvmesh.ingress.sessions.turn import SessionInputs, Turn, inputs
+from kvmesh.ingress.sessions.turn import Turn, inputs
 from kvmesh.log import get_logger
 from kvmesh.protocol.serving import SamplingSpec
 from kvmesh.sessions.identity import Source
@@ -99,7 +99,7 @@ async def _prepare(adm: Admitted, body: ResponsesRequest) -> _Prepared:
             raise _not_found(body.previous_response_id, param="previous_response_id")
         history = prev.conversation
         if given.explicit is None or given.explicit[0] is not Source.HEADER:
-            given = SessionInputs((Source.PREVIOUS_RESPONSE, prev.session), given.hints)
+            given = replace(given, explicit=(Source.PREVIOUS_RESPONSE, prev.session))
     plan = plan_tools(adm.state, body)
     messages = to_messages(body.instructions, items(history, param="previous_response_id"), new)
     try:
