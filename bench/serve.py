@@ -1,18 +1,22 @@
-"""`kvmesh bench serve`: a multi-turn agent workload through the `openai` SDK, cache on vs off, one run.
+"""`kvmesh bench serve`: a multi-turn agent workload through the `openai` SDK on kvmesh, on the engines'
+own prefix cache alone, and with no cache, one run.
 
-For each mode the bench starts its own stack (`kvmesh up --detach` in a
-temp state dir, free ports; cache off = `KVMESH_ENGINE__ENABLE_PREFIX_CACHING=false`
-in the workers, and no L3), drives the workload (bench/serve_workload.py) at a fixed
-concurrency (sessions in parallel, turns of a session in order, greedy,
-streaming with usage) and stops the stack. Figures per mode: TTFT p50/p99,
-TPOT p50, output tokens/s, requests/s, cached-token ratio; then
-`ttft_ratio_cache_off_vs_on`. `service_overhead_ms_p50`: with the cache on,
-a few extra sessions run one request at a time through the services and
-through an in-process engine (same prompt ids, built with the ingress's own
-prompt builder; same cache state), TTFT difference per request; the answers
-must be identical (`overhead_identical`); `service_overhead_ms_p50_full_hit` sends each of
-those requests a second time (all of it cached on both sides: the hops alone). Progress on
-stderr, one JSON object.
+For each mode (bench/serve_modes.py: `kvmesh`, `l1_only`, `cache_off`) the bench starts
+its own stack (`kvmesh up --detach` in a temp state dir, free ports, the mode's
+settings), drives the workload (bench/serve_workload.py) at a fixed concurrency
+(sessions in parallel, turns of a session in order, greedy, streaming with usage),
+reads what the stack's metrics say it did (`stack`, bench/serve_evidence.py) and
+stops the stack. Figures per mode: TTFT mean/p50/p99, TPOT p50, output tokens/s,
+requests/s, cached-token ratio. The headline is `kvmesh_vs_l1_only`: kvmesh's
+figures over the L1-only mode's, what users get from vLLM/SGLang for free;
+`cache_off` stays as a reference row (bench/serve_compare.py). `answers_identical`
+compares each mode's answers with kvmesh's, request by request.
+`service_overhead_ms_p50` (bench/serve_overhead.py): in the kvmesh mode, a few extra
+sessions run one request at a time through the services and through an in-process
+engine (same prompt ids, same cache state), TTFT difference per request; the answers
+must be identical (`overhead_identical`); `service_overhead_ms_p50_full_hit` sends
+each of those requests a second time (the hops alone). Progress on stderr, one JSON
+object.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvmesh.bench.serve_workload import Session, Workload, build_workload
@@ -49,6 +53,7 @@ class ServeBenchConfig:
     prefill: int = 1
     decode: int = 1
     l3: bool = True  # False: workers without the S3 tier (shows what L3 lookups on a miss cost)
+    l1_blocks: int | None = None  # each engine's KV pool, in blocks (None: the engine's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class Sample:
     cached_tokens: int
     completion_tokens: int
     text: str
+    key: str = ""  # which request of the workload: session/turn (set by `drive`)
 
 
 class SayLog:
@@ -69,6 +75,19 @@ class SayLog:
 
     def log(self, text: str) -> None:
         self._say(text)
+
+
+def stack_env(cfg: ServeBenchConfig, cache: bool, port: int,
+              extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings every service of a bench stack gets, on top of this process's environment."""
+    env = {"KVMESH_API_KEYS": f"{KEY}:bench", "KVMESH_INGRESS__PORT": str(port),
+           "KVMESH_ENGINE__ENABLE_PREFIX_CACHING": "true" if cache else "false", "KVMESH_LOG_LEVEL": "warning",
+           "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000", "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000",
+           # cache off: no L3 either, so the baseline pays no lookups for blocks it may not use
+           "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 and cache else "false"}
+    if cfg.l1_blocks is not None:
+        env["KVMESH_ENGINE__NUM_BLOCKS"] = str(cfg.l1_blocks)
+    return {**env, **(extra_env or {})}
 
 
 @contextmanager
@@ -84,11 +103,7 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as scratch:
         tmp = str(state_dir or scratch)
         port = free_port()
-        env = {**os.environ, "KVMESH_API_KEYS": f"{KEY}:bench", "KVMESH_INGRESS__PORT": str(port),
-               "KVMESH_ENGINE__ENABLE_PREFIX_CACHING": "true" if cache else "false", "KVMESH_LOG_LEVEL": "warning",
-               "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000", "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000",
-               # cache off: no L3 either, so the baseline pays no lookups for blocks it may not use
-               "KVMESH_TIERS__L3_ENABLED": "true" if cfg.l3 and cache else "false", **(extra_env or {})}
+        env = {**os.environ, **stack_env(cfg, cache, port, extra_env)}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
                 "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", str(cfg.prefill),
                 "--decode", str(cfg.decode), "--timeout", "180"]
@@ -105,8 +120,9 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
             subprocess.run([kvmesh, "down", "--state-dir", tmp], env=env, capture_output=True, timeout=120)
 
 
-def stack_metric_families(state_dir: Path) -> Iterator:
-    """Every metric family of every kvmesh service in a stack's state file (servers' consoles are skipped)."""
+def stack_metrics_by_service(state_dir: Path) -> Iterator[tuple[str, object]]:
+    """(endpoint name, metric family) for every kvmesh service in a stack's state file (servers' consoles are
+    skipped)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -116,7 +132,14 @@ def stack_metric_families(state_dir: Path) -> Iterator:
         reply = httpx.get(f"{ep['url']}/metrics", timeout=10)
         if reply.status_code != 200:  # not a kvmesh service (a server's console)
             continue
-        yield from text_string_to_metric_families(reply.text)
+        for family in text_string_to_metric_families(reply.text):
+            yield ep["name"], family
+
+
+def stack_metric_families(state_dir: Path) -> Iterator:
+    """Every metric family of every kvmesh service in a stack's state file (servers' consoles are skipped)."""
+    for _, family in stack_metrics_by_service(state_dir):
+        yield family
 
 
 async def stream_chat(client, model: str, messages: list[dict], tools: list[dict], max_tokens: int,
@@ -149,7 +172,7 @@ async def one_request(client, model: str, messages: list[dict], tools: list[dict
     return await stream_chat(client, model, messages, tools, max_tokens, prompt_cache_key=session)
 
 
-def _messages(w: Workload) -> list[dict]:
+def messages_of(w: Workload) -> list[dict]:
     return [{"role": "system", "content": w.system}]
 
 
@@ -164,12 +187,12 @@ async def drive(base_url: str, model: str, w: Workload, cfg: ServeBenchConfig, s
 
     async def run(s: Session) -> None:
         async with gate:
-            messages = _messages(w)
-            for turn in s.turns:
+            messages = messages_of(w)
+            for k, turn in enumerate(s.turns):
                 messages.append({"role": "user", "content": turn})
                 sample = await one_request(client, model, messages, w.tools, cfg.max_tokens, s.name)
                 messages.append({"role": "assistant", "content": sample.text})
-                samples.append(sample)
+                samples.append(replace(sample, key=f"{s.name}/{k}"))
                 if len(samples) % max(1, w.requests // 4) == 0:
                     say.log(f"{label}: {len(samples)}/{w.requests} requests", highlight=False)
 
@@ -178,62 +201,6 @@ async def drive(base_url: str, model: str, w: Workload, cfg: ServeBenchConfig, s
     wall = time.perf_counter() - started
     await client.close()
     return samples, wall
-
-
-@dataclass(slots=True)
-class Overhead:
-    """Service TTFT - engine TTFT (ms) per request; `repeat_ms`: the same request again (all of it cached)."""
-
-    ms: list[float] = field(default_factory=list)
-    repeat_ms: list[float] = field(default_factory=list)
-    identical: int = 0
-    total: int = 0
-
-
-async def overhead(base_url: str, model: str, model_dir: Path, w: Workload, cfg: ServeBenchConfig) -> Overhead:
-    """Sessions one request at a time through the services and the in-process engine (same ids, same cache)."""
-    import openai
-    from kvmesh.config import EngineSettings
-    from kvmesh.engine.engine import Engine
-    from kvmesh.engine.loader import load_model
-    from kvmesh.engine.sampling import SamplingParams
-    from kvmesh.ingress.core.prompt import PromptBuilder
-
-    loaded = load_model(model_dir)
-    engine = Engine(loaded, EngineSettings())
-    prompts = PromptBuilder(loaded.tokenizer, 1024, loaded.config.eos_token_ids)
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
-
-    def engine_ttft(ids: list[int]) -> tuple[float, list[int], str]:
-        rid = f"r{time.perf_counter_ns()}"
-        engine.add_request(rid, ids, params)
-        ttft, out = None, None
-        while engine.has_unfinished():
-            for o in engine.step():
-                ttft = o.ttft if ttft is None and o.ttft is not None else ttft
-                out = o
-        assert out is not None and ttft is not None
-        return ttft, out.token_ids, out.text
-
-    # the services have the shared system prompt and tools cached from the drive: so does the engine
-    warm = _messages(w) + [{"role": "user", "content": "warm-up"}]
-    engine_ttft(prompts.chat("bench", warm, w.tools))
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=600)
-    out = Overhead()
-    for i, s in enumerate(w.sessions[: cfg.overhead_sessions]):
-        messages = _messages(w)
-        for k, turn in enumerate(s.turns):
-            messages.append({"role": "user", "content": f"[overhead {i}] {turn}" if k == 0 else turn})
-            for diffs in (out.ms, out.repeat_ms):
-                got = await one_request(client, model, messages, w.tools, cfg.max_tokens, f"overhead-{i}")
-                ttft, ids, text = await asyncio.to_thread(engine_ttft, prompts.chat("bench", messages, w.tools))
-                diffs.append((got.ttft_s - ttft) * 1000)
-            prompts.remember_answer("bench", text, ids)
-            out.identical += got.text == text
-            out.total += 1
-            messages.append({"role": "assistant", "content": got.text})
-    await client.close()
-    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -246,7 +213,8 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     tpot = [(s.total_s - s.ttft_s) * 1000 / (s.completion_tokens - 1) for s in samples if s.completion_tokens > 1]
     prompt = sum(s.prompt_tokens for s in samples)
     out = sum(s.completion_tokens for s in samples)
-    return {"requests": len(samples), "ttft_ms_p50": round(_pct(ttft, 0.5), 2), "ttft_ms_p99": round(_pct(ttft, 0.99), 2),
+    return {"requests": len(samples), "ttft_ms_mean": round(sum(ttft) / max(1, len(ttft)), 2),
+            "ttft_ms_p50": round(_pct(ttft, 0.5), 2), "ttft_ms_p99": round(_pct(ttft, 0.99), 2),
             "tpot_ms_p50": round(_pct(tpot, 0.5), 2), "output_tokens_per_s": round(out / wall, 2),
             "requests_per_s": round(len(samples) / wall, 3), "prompt_tokens": prompt,
             "cached_token_ratio": round(sum(s.cached_tokens for s in samples) / max(1, prompt), 4),
@@ -254,6 +222,12 @@ def summarize(samples: list[Sample], wall: float) -> dict:
 
 
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:
+    # these build on this module's stack and driver (imported here: no import cycle)
+    from kvmesh.bench.serve_compare import ratios, same_answers
+    from kvmesh.bench.serve_evidence import stack_evidence
+    from kvmesh.bench.serve_modes import CACHE_OFF, KVMESH, L1_ONLY, serve_modes
+    from kvmesh.bench.serve_overhead import overhead
+
     say = Console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-model-") as tmp:
         model_dir = cfg.model_dir
@@ -264,23 +238,29 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         model = model_dir.name
         w = build_workload(cfg.sessions, cfg.turns, REPO_ROOT)
         say.log(f"workload: {len(w.sessions)} sessions x {cfg.turns} turns ({w.source}), "
-                f"concurrency {cfg.concurrency}, model {model}")
+                f"concurrency {cfg.concurrency}, {cfg.prefill} prefill workers, model {model}")
         result: dict = {"workload": w.source, "sessions": len(w.sessions), "turns": cfg.turns,
-                        "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens, "model": model, "l3": cfg.l3}
-        for cache in (True, False):
-            label = "cache_on" if cache else "cache_off"
-            with running_stack(model_dir, cfg, cache, say) as url:
-                samples, wall = asyncio.run(drive(url, model, w, cfg, say, label))
-                result[label] = summarize(samples, wall)
-                if cache and cfg.overhead_sessions:
+                        "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens, "model": model, "l3": cfg.l3,
+                        "prefill_workers": cfg.prefill, "decode_workers": cfg.decode, "l1_blocks": cfg.l1_blocks}
+        answers: dict[str, list[Sample]] = {}
+        for mode in serve_modes():
+            state = Path(tmp) / f"stack-{mode.name}"
+            state.mkdir()
+            say.log(f"mode {mode.name}")
+            with running_stack(model_dir, cfg, mode.cache, say, dict(mode.env), state) as url:
+                samples, wall = asyncio.run(drive(url, model, w, cfg, say, mode.name))
+                result[mode.name] = {**summarize(samples, wall), "stack": stack_evidence(state)}
+                answers[mode.name] = samples
+                if mode.name == KVMESH and cfg.overhead_sessions:
                     say.log("service overhead: services vs in-process engine, one request at a time")
                     oh = asyncio.run(overhead(url, model, model_dir, w, cfg))
                     result["service_overhead_ms_p50"] = round(_pct(oh.ms, 0.5), 2)
                     result["service_overhead_ms_p50_full_hit"] = round(_pct(oh.repeat_ms, 0.5), 2)
                     result["overhead_requests"] = oh.total
                     result["overhead_identical"] = f"{oh.identical}/{oh.total}"
-        on, off = result["cache_on"]["ttft_ms_p50"], result["cache_off"]["ttft_ms_p50"]
-        result["ttft_ratio_cache_off_vs_on"] = round(off / on, 3) if on else None
-        result["throughput_ratio_on_vs_off"] = round(result["cache_on"]["output_tokens_per_s"]
-                                                     / max(1e-9, result["cache_off"]["output_tokens_per_s"]), 3)
+        result["kvmesh_vs_l1_only"] = ratios(result[KVMESH], result[L1_ONLY])
+        result["kvmesh_vs_cache_off"] = ratios(result[KVMESH], result[CACHE_OFF])
+        result["l1_only_vs_cache_off"] = ratios(result[L1_ONLY], result[CACHE_OFF])
+        result["answers_identical"] = {f"{name}_vs_kvmesh": same_answers(answers[name], answers[KVMESH])
+                                       for name in (L1_ONLY, CACHE_OFF)}
         return result

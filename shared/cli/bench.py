@@ -76,13 +76,16 @@ def serve(
     sessions: Annotated[int, typer.Option(min=1, help="Agent sessions (conversations).")] = 8,
     turns: Annotated[int, typer.Option(min=1, help="Turns per session.")] = 4,
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens per answer.")] = 16,
-    l3: Annotated[bool, typer.Option(help="Workers with the S3 tier (--no-l3: L2 only).")] = True,
+    l3: Annotated[bool, typer.Option(help="kvmesh mode's workers with the S3 tier (--no-l3: L2 only).")] = True,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers per stack (routing between them matters).")] = 2,
+    l1_blocks: Annotated[int, typer.Option(min=64, help="Each engine's KV pool in blocks, every mode (default: less "
+                                                       "than the sessions need together).")] = 512,
 ) -> None:
-    """Multi-turn agent workload through the OpenAI SDK on a stack of its own: cache on vs off."""
+    """Multi-turn agent workload through the OpenAI SDK: kvmesh vs the engines' own prefix cache alone vs no cache."""
     from kvmesh.bench.serve import ServeBenchConfig, run_serve_bench
 
     cfg = ServeBenchConfig(model_dir=model, preset=preset, concurrency=concurrency, sessions=sessions, turns=turns,
-                           max_tokens=max_tokens, l3=l3)
+                           max_tokens=max_tokens, l3=l3, prefill=prefill, l1_blocks=l1_blocks)
     typer.echo(json.dumps(run_serve_bench(cfg), indent=None if json_out else 2))
 
 

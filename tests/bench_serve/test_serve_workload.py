@@ -34,4 +34,5 @@ def test_summary() -> None:
     s = summarize(samples, wall=2.0)
     assert s["requests"] == 10 and s["cached_token_ratio"] == 0.5 and s["output_tokens_per_s"] == 80.0
     assert s["ttft_ms_p50"] in (500.0, 600.0) and s["ttft_ms_p99"] == 1000.0 and s["tpot_ms_p50"] == 10.0
+    assert s["ttft_ms_mean"] == 550.0
     assert _pct([], 0.5) == 0.0
