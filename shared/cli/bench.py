@@ -82,7 +82,8 @@ def serve(
                                                        "than the sessions need together).")] = 512,
 ) -> None:
     """Multi-turn agent workload through the OpenAI SDK: kvmesh vs the engines' own prefix cache alone vs no cache."""
-    from kvmesh.bench.serve import ServeBenchConfig, run_serve_bench
+    from kvmesh.bench.serve import ServeBenchConfig
+    from kvmesh.bench.serve_run import run_serve_bench
 
     cfg = ServeBenchConfig(model_dir=model, preset=preset, concurrency=concurrency, sessions=sessions, turns=turns,
                            max_tokens=max_tokens, l3=l3, prefill=prefill, l1_blocks=l1_blocks)

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from kvmesh.bench.serve import Sample, ServeBenchConfig, run_serve_bench, stack_env
+from kvmesh.bench.serve import Sample, ServeBenchConfig, stack_env
+from kvmesh.bench.serve_run import run_serve_bench
 from kvmesh.bench.serve_compare import RATIO_FIGURES, ratios, same_answers
 from kvmesh.bench.serve_modes import CACHE_OFF, KVMESH, L1_ONLY, serve_modes
 from kvmesh.config import Settings, load_settings
