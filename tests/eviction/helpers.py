@@ -8,7 +8,9 @@ import uuid
 import torch
 from kvmesh.cache_policy.base import BlockInfo
 from kvmesh.engine.kv_block import KVBlock
+from kvmesh.eviction.occupancy import OccupancyView, WorkerOccupancy
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.l3_store import L3Store
 from kvmesh.tiers.s3_client import fast_fail_client
 
@@ -51,3 +53,24 @@ def l3_store(s3_server, fingerprint: str, chunk_blocks: int = 2, ttl_s: int = 36
     store.ensure_bucket()
     return store
 
+
+
+def named_block(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+RETENTION_T0 = 1_000_000.0  # the session retention tests' clock starts here
+
+
+def chain_in(view: OccupancyView, worker: str, names: list[str], at: float = RETENTION_T0) -> list[bytes]:
+    """Blocks `names` as one chain (root first) that `worker` holds in L1, last accessed `at`."""
+    occ = view.workers.setdefault(worker, WorkerOccupancy())
+    parent = None
+    out = []
+    for depth, name in enumerate(names):
+        h = named_block(name)
+        view.stats.setdefault(h, BlockInfo(h, parent, depth, 16, 1, at, at))
+        occ.tiers[Tier.L1].add(h)
+        out.append(h)
+        parent = h
+    return out

@@ -8,41 +8,23 @@ behaviour shows.
 
 from __future__ import annotations
 
-import hashlib
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvmesh.cache_policy.base import BlockInfo
 from kvmesh.config import SessionRetentionSettings
 from kvmesh.eviction.messages import Demote, Retain, WorkerCommand
-from kvmesh.eviction.occupancy import OccupancyView, WorkerOccupancy
+from kvmesh.eviction.occupancy import OccupancyView
 from kvmesh.eviction.session_groups import MAX_DEPTH, MAX_MEMBERS, SessionGroups
 from kvmesh.eviction.sessions import SessionRetention
-from kvmesh.protocol.blocks import Tier
 from kvmesh.sessions.book import SessionBook
 from kvmesh.sessions.events import SessionEvent, TurnOutcome
 
-T0 = 1_000_000.0
+from .helpers import RETENTION_T0, chain_in
+from .helpers import named_block as block
+
+T0 = RETENTION_T0
 L1 = 100
 RULES = SessionRetentionSettings(pin_horizon_s=120, pin_margin_s=10, pin_fraction=0.4, prefetch_lead_s=5)
 SHARED = ["sys0", "sys1", "sys2", "lead1", "lead2"]  # the lead's context up to the fork
-
-
-def block(name: str) -> bytes:
-    return hashlib.sha256(name.encode()).digest()
-
-
-def chain_in(view: OccupancyView, worker: str, names: list[str]) -> list[bytes]:
-    """Blocks `names` as one chain (root first) that `worker` holds in L1."""
-    occ = view.workers.setdefault(worker, WorkerOccupancy())
-    parent, out = None, []
-    for depth, name in enumerate(names):
-        h = block(name)
-        view.stats.setdefault(h, BlockInfo(h, parent, depth, 16, 1, T0, T0))
-        occ.tiers[Tier.L1].add(h)
-        out.append(h)
-        parent = h
-    return out
 
 
 def event(session: str, chain: list[bytes], outcome: TurnOutcome, at: float, *, hint_s: float | None = None,
