@@ -21,7 +21,10 @@ def loaded(tiny_model_dir) -> LoadedModel:
 
 
 def _engine(loaded: LoadedModel, num_blocks: int = POOL) -> Engine:
-    return Engine(loaded, EngineSettings(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64))
+    # LRU: these tests check what a lease holds, not how a policy ranks (the default policy's doorkeeper
+    # would keep the twice-requested prompt over the churn's one-off blocks, leased or not)
+    return Engine(loaded, EngineSettings(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64,
+                                         eviction_policy="lru"))
 
 
 def _run(engine: Engine, rid: str, prompt: list[int], params: SamplingParams = PARAMS):

@@ -99,7 +99,9 @@ def test_use_cache_false_recomputes_cold(loaded):
 
 
 def test_pins_keep_blocks_until_their_time(loaded):
-    engine = _engine(loaded, num_blocks=12)
+    # LRU: what is checked is the pin's time, not a ranking (the default policy's cost order would keep the
+    # four-block chain over the churn's one-off blocks after the pin lapses, too)
+    engine = Engine(loaded, EngineSettings(block_size=BLOCK_SIZE, num_blocks=12, eviction_policy="lru"))
     params = SamplingParams(max_tokens=1)
     keep = list(range(10, 10 + 4 * BLOCK_SIZE + 1))
     _run(engine, "keep", keep, params)
