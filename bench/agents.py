@@ -175,6 +175,9 @@ def session_counters(state_dir: Path) -> dict[str, float]:
     return out
 
 
+RATIO_KEYS = ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_p99_returning")  # other modes / default
+
+
 def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
     from kvmesh.engine.presets import write_preset
 
@@ -214,5 +217,3 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
                         for mode in modes if mode != "default"}
     return result
 
-
-RATIO_KEYS = ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_p99_returning")

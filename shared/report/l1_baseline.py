@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 from kvmesh.protocol.traffic import TrafficRecord
 from kvmesh.report.served_trace import as_sim_trace
-from kvmesh.sim.replay import ReplayOptions
+from kvmesh.sim.replay import ReplayOptions, never_evicting_hits
 from kvmesh.sim.run import run_one
 from kvmesh.sim.tiers import TieredCache
-from kvmesh.sim.trace import Trace, TraceRequest
+from kvmesh.sim.trace import TraceRequest
 
 POLICY = "lru"
 WHAT = ("one engine with LRU prefix caching in its own L1 of the fleet's pooled L1 capacity "
@@ -88,19 +88,6 @@ def reusable_tokens(request: TraceRequest, hit_blocks: int) -> int:
     return sum(request.block_tokens(k) for k in range(usable))
 
 
-def seen_prefixes(trace: Trace) -> tuple[int, ...]:
-    """Per request, its leading blocks that some earlier request's prompt held (the sim's infinite cache)."""
-    seen: set[bytes] = set()
-    out = []
-    for request in trace.requests:
-        n = 0
-        while n < len(request.blocks) and request.blocks[n] in seen:
-            n += 1
-        out.append(n)
-        seen.update(request.blocks)
-    return tuple(out)
-
-
 def lru_l1(records: Sequence[TrafficRecord], capacity_blocks: int) -> L1Baseline:
     """Replay `records` (any order; arrival order is used) through one LRU L1 of `capacity_blocks` blocks."""
     ordered = sorted(records, key=lambda r: r.at)  # the order trace_lines gives the sim
@@ -115,6 +102,6 @@ def lru_l1(records: Sequence[TrafficRecord], capacity_blocks: int) -> L1Baseline
     if sum(hits) != result.l1_hit_blocks:  # the lookup must be the hit the replay counted
         raise RuntimeError(f"per-request L1 hits {sum(hits)} != the replay's {result.l1_hit_blocks}")
     tokens = tuple(reusable_tokens(req, n) for req, n in zip(trace.requests, hits, strict=True))
-    seen = seen_prefixes(trace)
+    seen = never_evicting_hits(trace)
     past_prompts = sum(max(0, r.hit_blocks() - n) * r.block_tokens for r, n in zip(ordered, seen, strict=True))
     return L1Baseline(capacity_blocks, tuple(hits), tokens, seen, result.input_blocks, past_prompts)

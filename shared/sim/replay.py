@@ -113,15 +113,20 @@ def summarize(values: tuple[float, ...]) -> dict[str, float] | None:
     }
 
 
+def never_evicting_hits(trace: Trace) -> tuple[int, ...]:
+    """Per request, its leading blocks some earlier request held: the prefix hit of a cache that never evicts."""
+    seen: set[bytes] = set()
+    out = []
+    for request in trace.requests:
+        n = 0
+        while n < len(request.blocks) and request.blocks[n] in seen:
+            n += 1
+        out.append(n)
+        seen.update(request.blocks)
+    return tuple(out)
+
+
 def infinite_hit_rate(trace: Trace) -> ReplayResult:
     """The ceiling: a cache that never evicts (prefix semantics)."""
-    seen: set[bytes] = set()
-    hits = total = 0
-    for request in trace.requests:
-        for b in request.blocks:
-            if b not in seen:
-                break
-            hits += 1
-        total += len(request.blocks)
-        seen.update(request.blocks)
-    return ReplayResult("infinite", trace.unique_blocks, hits, total, hits)
+    hits = sum(never_evicting_hits(trace))
+    return ReplayResult("infinite", trace.unique_blocks, hits, trace.input_blocks, hits)
