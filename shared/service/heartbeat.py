@@ -84,6 +84,11 @@ class HeartbeatLoop:
             l2_capacity_blocks=self.l2_capacity_blocks,
         )
 
+    @property
+    def registered(self) -> bool:
+        """True once a write has succeeded: from then on watchers (and routers) know this worker."""
+        return self._written is not None
+
     def due(self, now: float) -> bool:
         """True if a write is due: nothing written yet, the state moved since the last write, or keep-alive time."""
         if self._written is None or now >= self._keepalive_at:

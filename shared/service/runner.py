@@ -21,8 +21,9 @@ Contract with the stack launcher (`kvmesh up`):
   services; the runner does not declare shared streams, only its own
   per-worker consumers.
 - `GET http://<http_host>:<port>/readyz` answers 200 once NATS is connected,
-  every consumer is bound and the service's own check passes (503 with the
-  failing checks before that and while draining); `/healthz` 200 while the
+  every consumer is bound, the service's own check passes and its first
+  heartbeat is written (so a router that reads the `workers` bucket can see
+  it; 503 with the failing checks before that and while draining); `/healthz` 200 while the
   process lives; `/metrics` Prometheus text (kvmesh_* names).
 - logs are JSON lines on stderr, one startup line `service ready` carries
   `http_endpoint` and `worker_id`; the worker's `Heartbeat` (role, load,
@@ -128,6 +129,7 @@ class ServiceRunner:
         self._stop = asyncio.Event()
         self._draining = False
         self._started = asyncio.Event()
+        self._heartbeat: HeartbeatLoop | None = None
 
     def stop(self) -> None:
         """Begin the graceful drain (what SIGTERM does)."""
@@ -143,6 +145,7 @@ class ServiceRunner:
             "consumers_bound": bool(ctx and all(c.ready for c in ctx.consumers)),
             "service": bool(ctx and _safe(ctx.ready_check)),
             "endpoints_bound": self._started.is_set(),  # setup done, request endpoints subscribed
+            "registered": bool(self._heartbeat and self._heartbeat.registered),  # routers can see this worker
             "not_draining": not self._draining,
         }
 
@@ -177,6 +180,7 @@ class ServiceRunner:
                                       capacity=ctx.capacity, kv_position=ctx.kv_position,
                                       l1_capacity_blocks=ctx.l1_capacity_blocks,
                                       l2_capacity_blocks=ctx.l2_capacity_blocks)
+            self._heartbeat = heartbeat
             tasks.append(asyncio.create_task(heartbeat.run()))
             frozen = freeze_startup_heap() if self._freeze_heap else 0
             log.info("service ready", http_endpoint=self.http_endpoint, worker_id=self.worker_id, frozen_objects=frozen)

@@ -56,10 +56,11 @@ def check_external_s3(endpoint: str, creds: S3Credentials, bucket: str, secure: 
     """Reachable, credentials accepted, bucket present (created when missing)."""
     if not tcp_reachable(*host_port(endpoint, 443 if secure else 80)):
         raise StackError(ExitCode.UNREACHABLE, f"external S3 server {endpoint} is unreachable (KVMESH_S3_ENDPOINT)")
+    from kvmesh.tiers.bucket import ensure_bucket  # minio loads only when S3 is used
+
     client = s3_client(endpoint, creds, secure=secure, timeout_s=3.0)
     try:
-        if not client.bucket_exists(bucket):
-            client.make_bucket(bucket)
+        ensure_bucket(client, bucket)
     except Exception as exc:  # noqa: BLE001 - S3 errors (auth, permissions) and transport errors alike
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise StackError(

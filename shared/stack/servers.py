@@ -353,9 +353,9 @@ class S3Server:
         raise ServerError(f"S3 server on {self.endpoint} not ready within {deadline_s:.0f}s: {last}")
 
     def ensure_bucket(self, bucket: str) -> None:
-        client = self.client()
-        if not client.bucket_exists(bucket):
-            client.make_bucket(bucket)
+        from kvmesh.tiers.bucket import ensure_bucket  # minio loads only when S3 is used
+
+        ensure_bucket(self.client(), bucket)
 
     def stop(self) -> None:
         if self.process:

@@ -50,6 +50,7 @@ from kvmesh.tiers.chunk_format import (
     encode_chunk,
     toc_size,
 )
+from kvmesh.tiers.bucket import ensure_bucket
 from kvmesh.tiers.circuit_breaker import CircuitBreaker
 from kvmesh.tiers.key_locks import KeyLocks
 from kvmesh.tiers.known_chunks import KnownChunks
@@ -141,8 +142,8 @@ class L3Store:
         return [range(i, min(i + k, num_blocks)) for i in range(0, num_blocks, k)]
 
     def ensure_bucket(self) -> None:
-        if not self.client.bucket_exists(self.bucket):
-            self.client.make_bucket(self.bucket)
+        """Create the bucket when missing; return once it takes writes (bucket.py)."""
+        ensure_bucket(self.client, self.bucket)
 
     # -- writes -----------------------------------------------------------
 

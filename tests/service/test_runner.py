@@ -63,12 +63,16 @@ async def test_runner_serves_http_and_drains_in_flight_work(nats_server):
         http = httpx.AsyncClient(base_url=runner.http_endpoint)
         js = nc.jetstream()
         assert (await http.get("/healthz")).status_code == 200
-        ready = await http.get("/readyz")
-        assert ready.status_code == 200 and all(ready.json()["checks"].values())
+
+        async def ready() -> bool:
+            return (await http.get("/readyz")).status_code == 200
+
+        await eventually(ready, 10, "/readyz to turn 200")
+        assert all((await http.get("/readyz")).json()["checks"].values())
         ready_flag["ok"] = False
         assert (await http.get("/readyz")).json()["checks"]["service"] is False
         ready_flag["ok"] = True
-        hb = await (await js.key_value(subjects.WORKERS_BUCKET)).get(worker)
+        hb = await (await js.key_value(subjects.WORKERS_BUCKET)).get(worker)  # ready means registered
         assert json.loads(hb.value)["http_endpoint"] == runner.http_endpoint
 
         await Publisher(js, FAST_BUS).publish(subjects.jobs_prefill(worker), b"1.0", msg_id=unique())

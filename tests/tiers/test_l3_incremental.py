@@ -63,6 +63,8 @@ def _store(s3_server, fp: str, bucket: str | None = None) -> L3Store:
     store = L3Store(CountingClient(raw), bucket or f"inc-{uuid.uuid4().hex[:12]}", fp, chunk_blocks=K,
                     known=KnownChunks(capacity=1024, max_age_s=600.0))
     store.ensure_bucket()
+    store.client.calls.clear()  # a bucket created here is probed with one PUT; count the write path only
+    store.client.keys = {"head": [], "put": []}
     return store
 
 
