@@ -246,15 +246,26 @@ class SlabReader:
 
     def read(self, worker_id: str, key: bytes) -> memoryview | None:
         """A private copy of the block's bytes (unverified), or None when the owner has no such block here."""
+        found = self._locate(worker_id, key)
+        if found is None:
+            return None
+        mapped, (offset, length) = found
+        return _copy_out(mapped.mm, mapped.data_off + offset, length)
+
+    def holds(self, worker_id: str, key: bytes) -> bool:
+        """The owner's directory names the block now (a later read may still miss: the owner evicts freely)."""
+        return self._locate(worker_id, key) is not None
+
+    def _locate(self, worker_id: str, key: bytes) -> tuple[_Mapped, tuple[int, int]] | None:
         self._recheck()
         mapped = self._mapping(worker_id)
         where = None if mapped is None else _find(mapped.mm, mapped.slots, key)
         if where is None and mapped is not None and self._replaced(worker_id, mapped):
             mapped = self._mapping(worker_id)  # the owner restarted: its blocks are in its new file
             where = None if mapped is None else _find(mapped.mm, mapped.slots, key)
-        if where is None or where[0] + where[1] > mapped.data_bytes:
+        if mapped is None or where is None or where[0] + where[1] > mapped.data_bytes:
             return None
-        return _copy_out(mapped.mm, mapped.data_off + where[0], where[1])
+        return mapped, where
 
     def close(self) -> None:
         for worker_id in list(self._maps):

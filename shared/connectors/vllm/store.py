@@ -1,0 +1,186 @@
+"""The connector's tiers: L2 in the vLLM worker's shared-memory slab, L3 in S3; a read-only view for the scheduler.
+
+vLLM runs the connector twice, in two processes that share no memory: the
+scheduler's copy decides how many tokens to load, the worker's copy moves the
+bytes. So the worker owns the data (`WorkerStore`: its L2 is a kvmesh slab,
+`/dev/shm/kvmesh_<worker>_l2`, and its L3 uploads), and the scheduler reads
+where it stands (`StoreView`: the slab's directory, mapped read-only, then S3
+chunk by chunk). Both are built from kvmesh's own settings (`KVMESH_*`
+environment, the state dir's S3 credentials), as any kvmesh worker's are.
+
+What the view reports is a promise the worker may fail to keep (L2 evicts
+freely, an object can vanish): a block the worker cannot fetch and verify is a
+load error, and vLLM recomputes it. Nothing unverified is ever written into
+vLLM's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.config import Settings
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.log import get_logger
+from kvmesh.serving.worker_tiers import L2Source
+from kvmesh.tiers.block_format import StoredBlock, encode_kv_block
+from kvmesh.tiers.factory import build_host_tier, build_l3_store
+from kvmesh.tiers.known_chunks import KnownChunks
+from kvmesh.tiers.l2_host import HostTier
+from kvmesh.tiers.l3_store import L3Store
+from kvmesh.tiers.miss import Miss, MissCounters
+from kvmesh.tiers.namespace import namespace_for
+from kvmesh.tiers.shm_slab import SlabReader
+from kvmesh.tiers.upload_queue import UploadQueue
+from minio.error import S3Error
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Reach:
+    """How far a chain is held: `l2` blocks in the worker's L2 from position 0, `total` in L2 then L3."""
+
+    l2: int
+    total: int
+
+
+class StoreView:
+    """The scheduler's read-only view of a worker's tiers."""
+
+    def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int) -> None:
+        self.worker_id = worker_id
+        self.slab = SlabReader()
+        self.l3 = build_l3_store(settings, fingerprint, block_size, MissCounters())
+        if self.l3 is not None:
+            self.l3.known = KnownChunks(settings.tiers.l3_known_chunks, settings.tiers.l3_known_max_age_s)
+
+    def reach(self, salt_hex: str, hashes: Sequence[bytes]) -> Reach:
+        """The longest prefix of `hashes` the worker can load: its L2 first, then whole L3 chunks."""
+        in_l2 = 0
+        while in_l2 < len(hashes) and self.slab.holds(self.worker_id, hashes[in_l2]):
+            in_l2 += 1
+        total = in_l2
+        if self.l3 is not None:
+            ns = namespace_for(salt_hex)
+            for positions in self.l3.chunk_ranges(len(hashes)):
+                if positions[-1] < total:
+                    continue
+                if not self._in_l3(ns, hashes[positions[-1]]):
+                    break
+                total = positions[-1] + 1
+        return Reach(in_l2, total)
+
+    def _in_l3(self, ns: str, last_hash: bytes) -> bool:
+        assert self.l3 is not None
+        if self.l3.is_known(ns, last_hash):
+            return True
+        if not self.l3.breaker.allow():
+            return False
+        try:
+            self.l3.client.stat_object(self.l3.bucket, self.l3.key(ns, last_hash))
+        except S3Error:
+            self.l3.breaker.record_success()  # S3 answered: not there
+            return False
+        except Exception:  # noqa: BLE001 - S3 down or slow: the scheduler does not wait for it
+            self.l3.breaker.record_failure()
+            return False
+        self.l3.breaker.record_success()
+        self.l3.note_known(ns, last_hash)
+        return True
+
+    def close(self) -> None:
+        self.slab.close()
+
+
+class WorkerStore:
+    """The worker's tiers: fetch verified blocks for a load, keep computed blocks (L2 now, L3 in the background)."""
+
+    def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int,
+                 block_bytes: int) -> None:
+        self.counters = MissCounters()
+        self.l2: HostTier = build_host_tier(settings, fingerprint, worker_id, self.counters, block_bytes)
+        self.l3: L3Store | None = build_l3_store(settings, fingerprint, block_size, self.counters)
+        self.uploads: UploadQueue | None = None
+        self._loop = asyncio.new_event_loop()  # the upload queue's loop, on a thread of its own
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-connector", daemon=True)
+        self._thread.start()
+        if self.l3 is not None:
+            t = settings.tiers
+            self.l3.known = KnownChunks(t.l3_known_chunks, t.l3_known_max_age_s)
+            self.l3.ensure_bucket()
+            self.uploads = UploadQueue(self.l3, t.l3_upload_queue_bytes, source=L2Source(self.l2),
+                                       tail_delay_s=t.l3_tail_delay_s)
+            self._call(self.uploads.start)
+
+    def fetch(self, salt_hex: str, hashes: Sequence[bytes], first: int) -> list[StoredBlock]:
+        """Verified blocks for positions `first`.. of the chain `hashes`, as far as they are found in order."""
+        found: list[StoredBlock] = []
+        pos = first
+        while pos < len(hashes):
+            got = self.l2.get(hashes[pos])
+            if isinstance(got, Miss):
+                break
+            found.append(got)
+            pos += 1
+        if self.l3 is None:
+            return found
+        ns = namespace_for(salt_hex)
+        for positions in self.l3.chunk_ranges(len(hashes)):
+            if positions[-1] < pos:
+                continue
+            if positions[0] > pos:
+                break
+            chunk = self.l3.get_chunk(self.l3.key(ns, hashes[positions[-1]]))
+            if isinstance(chunk, Miss) or [b.header.block_hash for b in chunk] != [hashes[i] for i in positions]:
+                break
+            found += chunk[pos - positions[0]:]
+            pos = positions[-1] + 1
+        return found
+
+    def keep(self, salt_hex: str, hashes: Sequence[bytes], blocks: dict[bytes, KVBlock]) -> int:
+        """Put `blocks` (by hash) into L2 and offer the chain `hashes` (position 0 first) to L3; how many L2 took.
+
+        A block of the chain L2 already holds is read from L2 when its chunk's upload comes; one L2
+        could not take goes to the queue encoded.
+        """
+        stored = 0
+        chain: list = []
+        for h in hashes:
+            if h in self.l2:
+                chain.append(None)
+                continue
+            kb = blocks.get(h)
+            if kb is None:  # neither held nor computed: the chain ends here for L3
+                break
+            put = self.l2.put_block(kb)
+            stored += put.stored
+            chain.append(None if put.stored else encode_kv_block(kb, self.l2.fingerprint))
+        if chain and self.uploads is not None:
+            self._loop.call_soon_threadsafe(self.uploads.submit, namespace_for(salt_hex), list(hashes[:len(chain)]),
+                                            chain)
+        return stored
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every chunk offered to L3 has landed (tests, shutdown)."""
+        if self.uploads is None:
+            return True
+        return asyncio.run_coroutine_threadsafe(self.uploads.join(timeout_s), self._loop).result(timeout_s + 5)
+
+    def close(self, drain_s: float = 30.0) -> None:
+        """Let queued uploads land (up to `drain_s`), then stop; L2 goes with the process."""
+        if self.uploads is not None:
+            if not self.drain(drain_s):
+                log.warning("l3 uploads abandoned at shutdown", chunks=self.uploads.pending_chunks)
+            asyncio.run_coroutine_threadsafe(self.uploads.close(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self.l2.close()
+
+    def _call(self, fn) -> None:
+        async def run() -> None:
+            fn()
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)

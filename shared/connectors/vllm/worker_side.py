@@ -1,0 +1,99 @@
+"""The connector in vLLM's worker: load planned blocks into the paged KV before the forward pass, keep new ones after.
+
+A load fetches each block from the worker's L2, then L3 (verified: checksum,
+fingerprint, and the chain hash the plan names), converts it to vLLM's page
+packing and writes it into every layer's cache at the planned block ids. The
+first block it cannot fetch, and every block after it, is a load error: vLLM
+truncates the request's hit there and recomputes.
+
+After the forward pass (`wait_for_save`), the blocks each request filled in
+this step are read out of the cache, converted to kvmesh's NHD layout, and
+kept: L2 at once, L3 by the store's upload queue.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from kvmesh.connectors.vllm.plan import LoadPlan, SavePlan
+from kvmesh.connectors.vllm.store import WorkerStore
+from kvmesh.engine.kv_block import KVBlock
+from kvmesh.kvconvert.errors import IncompatibleKV
+from kvmesh.kvconvert.transform import convert_dtype, convert_layout
+from kvmesh.kvconvert.vllm_cpu import blocks_to_pages, pages_to_blocks
+from kvmesh.log import get_logger
+from kvmesh.tiers.block_format import StoredBlock
+
+log = get_logger(__name__)
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def layer_order(names) -> list[str]:
+    """vLLM's layer names in model order (by the first number in each name)."""
+    def index(name: str) -> int:
+        m = _LAYER.search(name)
+        return int(m.group(1)) if m else -1
+    return sorted(names, key=index)
+
+
+@dataclass
+class WorkerSide:
+    store_factory: object  # (block_bytes) -> WorkerStore: built once the KV geometry is known
+    dtype: str
+    block_size: int
+    store: WorkerStore | None = None
+    layers: list[torch.Tensor] = field(default_factory=list)
+    load_errors: set[int] = field(default_factory=set)
+    loaded_blocks: int = 0
+    kept_blocks: int = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = [kv_caches[name] for name in layer_order(kv_caches)]
+        _, heads, size, width = self.layers[0].shape
+        if size != self.block_size:
+            raise IncompatibleKV(f"vLLM's KV blocks hold {size} tokens, the connector was told {self.block_size}")
+        block_bytes = len(self.layers) * heads * size * width * self.layers[0].element_size()
+        self.store = self.store_factory(block_bytes)
+
+    def load(self, plans: list[LoadPlan]) -> None:
+        for plan in plans:
+            blocks = self._fetch(plan)
+            if blocks:
+                ids = torch.tensor(plan.block_ids[:len(blocks)], dtype=torch.long)
+                pages = blocks_to_pages(torch.stack([b.data for b in blocks]))
+                for cache, page in zip(self.layers, pages, strict=True):
+                    cache.index_copy_(0, ids, page)
+                self.loaded_blocks += len(blocks)
+            if len(blocks) < len(plan.block_ids):
+                self.load_errors.update(plan.block_ids[len(blocks):])
+                log.warning("kv load short", request_id=plan.request_id, planned=len(plan.block_ids),
+                            loaded=len(blocks))
+
+    def keep(self, plans: list[SavePlan]) -> None:
+        assert self.store is not None
+        for plan in plans:
+            ids = torch.tensor(plan.block_ids, dtype=torch.long)
+            data = pages_to_blocks([cache.index_select(0, ids) for cache in self.layers])
+            blocks: dict[bytes, KVBlock] = {}
+            for i, pos in enumerate(range(plan.first, plan.first + len(plan.block_ids))):
+                parent = plan.hashes[pos - 1] if pos else None
+                blocks[plan.hashes[pos]] = KVBlock(plan.hashes[pos], parent, plan.token_ids[i], data[i])
+            self.kept_blocks += self.store.keep(plan.salt_hex, plan.hashes, blocks)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def _fetch(self, plan: LoadPlan) -> list[StoredBlock]:
+        assert self.store is not None
+        found = self.store.fetch(plan.salt_hex, plan.hashes, plan.first)[:len(plan.block_ids)]
+        usable: list[StoredBlock] = []
+        for block in found:
+            try:
+                usable.append(convert_dtype(convert_layout(block, "NHD"), self.dtype))
+            except IncompatibleKV as exc:
+                log.warning("kv block not loadable", request_id=plan.request_id, error=str(exc))
+                break
+        return usable
