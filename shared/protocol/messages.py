@@ -18,6 +18,7 @@ class Role(StrEnum):
     DECODE = "decode"
     CACHE_INDEX = "cache-index"
     EVICTION = "eviction"
+    VLLM = "vllm"  # a vLLM engine with kvmesh's connector: holds KV, takes no kvmesh jobs
     TEST = "test"
 
 

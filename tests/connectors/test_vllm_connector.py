@@ -1,5 +1,6 @@
 """vLLM (CPU build) with kvmesh's connector: same greedy tokens as vLLM alone, prefixes restored from L2 and,
-after a restart, from L3; a damaged L3 chunk is recomputed, never served; tenants stay apart.
+after a restart, from L3; a damaged L3 chunk is recomputed, never served; tenants stay apart; the cache index
+sees the vLLM worker's blocks.
 
 vLLM runs in its own venv (`.vllm-venv`, made by .ci/run; or KVMESH_VLLM_PYTHON), driven by vllm_driver.py
 against the real default model and a real S3 server. Every run starts a fresh vLLM (about a minute here).
@@ -7,21 +8,32 @@ against the real default model and a real S3 server. Every run starts a fresh vL
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from bus.helpers import connected, eventually
+from kvmesh.bus.request import request
+from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import EngineSettings
 from kvmesh.connectors.vllm.identity import chain_hashes, model_fingerprint
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.kv_events.events import BlockStored, KVEventBatch
+from kvmesh.net import free_port
+from kvmesh.protocol import subjects
+from kvmesh.protocol.blocks import Tier
+from kvmesh.protocol.streams import KV_EVENTS
 from kvmesh.stack.model import default_model_dir
 from kvmesh.tiers.block_format import decode_block
 from kvmesh.tiers.chunk_format import decode_toc
@@ -63,12 +75,72 @@ def run(model: Path, calls: list[dict], tmp: Path, env: dict[str, str], *flags: 
     return json.loads(out.read_text())
 
 
+@pytest.fixture
+def cache_index(nats_server, tmp_path) -> Iterator[str]:
+    """A cache-index process on the session's NATS (streams declared first, as `kvmesh up` does)."""
+    asyncio.run(_declare(nats_server.url))
+    port = free_port()
+    env = {**os.environ, "KVMESH_NATS_URL": nats_server.url, "KVMESH_SERVICE__HTTP_PORT": str(port),
+           "KVMESH_SERVICE__WORKER_ID": f"idx-{uuid.uuid4().hex[:8]}",
+           "KVMESH_INDEX__SNAPSHOT_NAME": f"snap-{uuid.uuid4().hex[:8]}"}
+    log = (tmp_path / "index.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.services.cache_index"], env=env, stdout=log, stderr=log)
+    try:
+        asyncio.run(eventually(lambda: _ready(proc, port), 60, "the cache index's /readyz"))
+        yield nats_server.url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+async def _declare(url: str) -> None:
+    async with connected(url):
+        pass
+
+
+async def _ready(proc: subprocess.Popen, port: int) -> bool:
+    assert proc.poll() is None, "the cache index exited"
+    try:
+        async with httpx.AsyncClient() as http:
+            return (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def _l3_blocks(url: str, hashes: list[bytes]) -> int:
+    async with connected(url) as nc:
+        reply = await request(nc, subjects.INDEX_LOOKUP, LookupRequest(hashes=[h.hex() for h in hashes]), LookupReply,
+                              timeout_s=5.0)
+    return reply.l3_blocks
+
+
+async def _stored_by_vllm(url: str) -> dict[Tier, set[bytes]]:
+    """Every block a vLLM worker (worker id `vllm-...`) reported stored, by tier, from the KV_EVENTS stream."""
+    found: dict[Tier, set[bytes]] = {}
+    async with connected(url) as nc:
+        js = nc.jetstream()
+        last = (await js.stream_info(KV_EVENTS.name)).state.last_seq
+        for seq in range(1, last + 1):
+            batch = KVEventBatch.from_bytes((await js.get_msg(KV_EVENTS.name, seq)).data)
+            if batch.worker.startswith("vllm-"):
+                for e in batch.events:
+                    if isinstance(e, BlockStored):
+                        found.setdefault(e.tier, set()).update(bytes.fromhex(h) for h in e.hashes)
+    return found
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
+
+
 def prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(200, 40000, (n,), generator=g).tolist()
 
 
-def test_vllm_with_kvmesh_restores_from_l2_and_l3_and_recomputes_damage(model_dir, s3_server, tmp_path) -> None:
+def test_vllm_with_kvmesh_restores_from_l2_and_l3_and_recomputes_damage(model_dir, s3_server, cache_index,
+                                                                        tmp_path) -> None:
     bucket = f"vllm-{uuid.uuid4().hex[:10]}"
     env = {"KVMESH_S3_ENDPOINT": s3_server.endpoint, "KVMESH_S3_ACCESS_KEY": s3_server.access_key,
            "KVMESH_S3_SECRET_KEY": s3_server.secret_key, "KVMESH_S3__BUCKET": bucket,
@@ -80,7 +152,7 @@ def test_vllm_with_kvmesh_restores_from_l2_and_l3_and_recomputes_damage(model_di
 
     # One vLLM with the connector, its own prefix cache off so each repeat must come from kvmesh's L2.
     salted = [{"prompt_token_ids": q, "max_tokens": 8, "cache_salt": s} for s in ("tenant-a", "tenant-a", "tenant-b")]
-    first = run(model_dir, [calls[0], calls[0], calls[1], *salted], tmp_path, env,
+    first = run(model_dir, [calls[0], calls[0], calls[1], *salted], tmp_path, {**env, "KVMESH_NATS_URL": cache_index},
                 "--connector", "--no-prefix-caching", "--wait-s3", "5")
     got = first["calls"]
     assert [c["tokens"] for c in got[:3]] == [alone[0]["tokens"], alone[0]["tokens"], alone[1]["tokens"]]
@@ -101,6 +173,11 @@ def test_vllm_with_kvmesh_restores_from_l2_and_l3_and_recomputes_damage(model_di
     own = engine.export_blocks(engine.block_hashes(p[:BLOCK]))[0]
     assert vllm_block.data.shape == own.data.shape
     assert torch.allclose(vllm_block.data, own.data, atol=1e-3), (vllm_block.data - own.data).abs().max()
+
+    # The fleet saw it: the vLLM worker's KV events named p's blocks in its L2 and in L3, and the index says L3.
+    stored = asyncio.run(_stored_by_vllm(cache_index))
+    assert set(hashes) <= stored[Tier.L2] and set(hashes) <= stored[Tier.L3]
+    asyncio.run(eventually(lambda: _is(_l3_blocks(cache_index, hashes), 9), 30, "the index to answer with L3"))
 
     # Damage r's chunk in S3 (one byte of a payload), then a fresh vLLM: p from L3, r recomputed.
     r_hashes = chain_hashes(r[:6 * BLOCK], BLOCK, fp, "")

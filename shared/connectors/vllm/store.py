@@ -20,8 +20,10 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvmesh.config import Settings
+from kvmesh.connectors.vllm.fleet import FleetLink
 from kvmesh.engine.kv_block import KVBlock
 from kvmesh.log import get_logger
 from kvmesh.serving.worker_tiers import L2Source
@@ -100,20 +102,25 @@ class WorkerStore:
 
     def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int,
                  block_bytes: int) -> None:
+        self.block_size = block_size
         self.counters = MissCounters()
         self.l2: HostTier = build_host_tier(settings, fingerprint, worker_id, self.counters, block_bytes)
         self.l3: L3Store | None = build_l3_store(settings, fingerprint, block_size, self.counters)
         self.uploads: UploadQueue | None = None
-        self._loop = asyncio.new_event_loop()  # the upload queue's loop, on a thread of its own
+        self.fleet: FleetLink | None = None
+        self._loop = asyncio.new_event_loop()  # uploads and the fleet link run here, on a thread of their own
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-connector", daemon=True)
         self._thread.start()
+        if settings.nats_url:
+            self.fleet = self._run(FleetLink.join(settings, worker_id, load=lambda: 0.0), 30)
         if self.l3 is not None:
             t = settings.tiers
             self.l3.known = KnownChunks(t.l3_known_chunks, t.l3_known_max_age_s)
             self.l3.ensure_bucket()
+            on_uploaded = None if self.fleet is None else partial(self.fleet.l3_stored, tokens_per_block=block_size)
             self.uploads = UploadQueue(self.l3, t.l3_upload_queue_bytes, source=L2Source(self.l2),
-                                       tail_delay_s=t.l3_tail_delay_s)
-            self._call(self.uploads.start)
+                                       tail_delay_s=t.l3_tail_delay_s, on_uploaded=on_uploaded)
+            self._run(self._start_uploads(), 10)
 
     def fetch(self, salt_hex: str, hashes: Sequence[bytes], first: int) -> list[StoredBlock]:
         """Verified blocks for positions `first`.. of the chain `hashes`, as far as they are found in order."""
@@ -146,7 +153,8 @@ class WorkerStore:
         A block of the chain L2 already holds is read from L2 when its chunk's upload comes; one L2
         could not take goes to the queue encoded.
         """
-        stored = 0
+        stored: list[tuple[bytes, bytes | None]] = []
+        evicted: list[bytes] = []
         chain: list = []
         for h in hashes:
             if h in self.l2:
@@ -156,31 +164,39 @@ class WorkerStore:
             if kb is None:  # neither held nor computed: the chain ends here for L3
                 break
             put = self.l2.put_block(kb)
-            stored += put.stored
+            evicted += put.evicted
+            if put.stored:
+                stored.append((h, kb.parent_hash))
             chain.append(None if put.stored else encode_kv_block(kb, self.l2.fingerprint))
+        if self.fleet is not None and (stored or evicted):
+            self._loop.call_soon_threadsafe(self.fleet.l2_changed, stored, evicted, self.block_size)
         if chain and self.uploads is not None:
             self._loop.call_soon_threadsafe(self.uploads.submit, namespace_for(salt_hex), list(hashes[:len(chain)]),
                                             chain)
-        return stored
+        return len(stored)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every chunk offered to L3 has landed (tests, shutdown)."""
         if self.uploads is None:
             return True
-        return asyncio.run_coroutine_threadsafe(self.uploads.join(timeout_s), self._loop).result(timeout_s + 5)
+        return self._run(self.uploads.join(timeout_s), timeout_s + 5)
 
     def close(self, drain_s: float = 30.0) -> None:
         """Let queued uploads land (up to `drain_s`), then stop; L2 goes with the process."""
         if self.uploads is not None:
             if not self.drain(drain_s):
                 log.warning("l3 uploads abandoned at shutdown", chunks=self.uploads.pending_chunks)
-            asyncio.run_coroutine_threadsafe(self.uploads.close(), self._loop).result(30)
+            self._run(self.uploads.close(), 30)
+        if self.fleet is not None:
+            self._run(self.fleet.leave(), 30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self.l2.close()
 
-    def _call(self, fn) -> None:
-        async def run() -> None:
-            fn()
+    async def _start_uploads(self) -> None:
+        assert self.uploads is not None
+        self.uploads.start()
 
-        asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+    def _run(self, coro, timeout_s: float):
+        """Run `coro` on the connector's loop and wait for its result (from the worker thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)

@@ -1,0 +1,74 @@
+"""The vLLM worker as a member of a kvmesh fleet: its heartbeat and its KV events, over NATS.
+
+With `KVMESH_NATS_URL` set, the connector's worker joins the fleet the way a
+kvmesh worker does: a heartbeat in the `workers` bucket (role `vllm`: the
+ingress never sends it kvmesh jobs) and KV events on KV_EVENTS for what its
+L2 stores and evicts and what its uploads put in L3. The cache index then
+answers lookups with the vLLM worker's blocks, and purges them when its
+heartbeat lapses, as for any worker. vLLM's own pool (L1) is vLLM's and is
+not reported.
+
+Everything here runs on the connector's own event loop thread
+(store.py); the worker thread hands it events through `post`. With NATS
+users, give the connector a prefill worker's credentials (`KVMESH_NATS_USER`
+and `KVMESH_NATS_PASSWORD`): its inbox is a prefill worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.bus.connection import close, connect
+from kvmesh.bus.permissions import PREFILL, inbox_prefix
+from kvmesh.bus.publish import Publisher
+from kvmesh.config import Settings
+from kvmesh.kv_events.publisher import KVEventPublisher
+from kvmesh.metrics import ServiceMetrics
+from kvmesh.protocol.blocks import Tier
+from kvmesh.protocol.messages import Role
+from kvmesh.service.heartbeat import HeartbeatLoop
+from nats.aio.client import Client as NATS
+
+
+@dataclass
+class FleetLink:
+    nc: NATS
+    events: KVEventPublisher
+    heartbeat: HeartbeatLoop
+    _beating: asyncio.Task[None]
+
+    @classmethod
+    async def join(cls, settings: Settings, worker_id: str, load: Callable[[], float]) -> FleetLink:
+        auth = ClientAuth.from_settings(settings, inbox_prefix(PREFILL, worker_id))
+        nc = await connect(settings.nats_url or "", f"vllm-connector:{worker_id}", settings.bus, auth)
+        js = nc.jetstream()
+        metrics = ServiceMetrics.create("vllm-connector")
+        events = KVEventPublisher(Publisher(js, settings.bus, metrics), worker_id, settings.index)
+        await events.start(nc)
+        s = settings.service
+        heartbeat = HeartbeatLoop(js, worker_id, Role.VLLM, "", s.heartbeat_interval_s, s.heartbeat_ttl_s, metrics,
+                                  load=load, kv_position=events.position)
+        return cls(nc, events, heartbeat, asyncio.create_task(heartbeat.run()))
+
+    def l2_changed(self, stored: list[tuple[bytes, bytes | None]], evicted: list[bytes], tokens_per_block: int) -> None:
+        """`stored`: (hash, parent) of each block L2 took, in chain order."""
+        if evicted:
+            self.events.removed(evicted, Tier.L2)
+        for block_hash, parent in stored:
+            self.events.stored([block_hash], Tier.L2, parent=parent, tokens_per_block=tokens_per_block)
+
+    def l3_stored(self, hashes: list[bytes], tokens_per_block: int) -> None:
+        self.events.stored(hashes, Tier.L3, tokens_per_block=tokens_per_block)
+
+    async def leave(self) -> None:
+        """Publish what is pending, withdraw the heartbeat (the index drops this worker's L2 at once)."""
+        await self.events.stop()
+        try:
+            await self.heartbeat.withdraw()
+        finally:
+            self._beating.cancel()
+            await asyncio.gather(self._beating, return_exceptions=True)
+            await close(self.nc)
