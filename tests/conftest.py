@@ -14,6 +14,8 @@ import pytest
 from kvmesh.engine.presets import write_preset
 from kvmesh.stack.servers import NatsServer, S3Server
 
+MANY_BUCKETS_VOLUMES = 1000  # a test session creates a bucket per test: see S3Server.max_volumes
+
 pytest_plugins = ("guards",)  # hung tests fail with a stack trace instead of stalling the run
 
 
@@ -89,7 +91,7 @@ def fresh_nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(data_dir=tmp_path_factory.mktemp("s3"))
+    server = S3Server(data_dir=tmp_path_factory.mktemp("s3"), max_volumes=MANY_BUCKETS_VOLUMES)
     server.start()
     yield server
     server.stop()
@@ -98,7 +100,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 @pytest.fixture
 def fresh_s3_server(tmp_path: Path) -> Iterator[S3Server]:
     """An S3 server of the test's own, free to stop and restart (same port, same data)."""
-    server = S3Server(data_dir=tmp_path / "s3")
+    server = S3Server(data_dir=tmp_path / "s3", max_volumes=MANY_BUCKETS_VOLUMES)
     server.start()
     yield server
     server.stop()

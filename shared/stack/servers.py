@@ -280,6 +280,10 @@ class S3Server:
     process: ManagedProcess | None = field(default=None, init=False)
     extra_ports: dict[str, int] = field(default_factory=dict)
     nice: int = 0  # CPU priority below the services (a one-box stack: writes to L3 wait for spare CPU)
+    # Volumes the server may create; 0: SeaweedFS's own limit, free disk / volume size (128 MB). Each bucket is
+    # a collection with volumes of its own, so a server that sees many buckets (a test session's, one per
+    # test) runs out under that limit long before the disk does: new buckets then refuse every write.
+    max_volumes: int = 0
 
     @property
     def endpoint(self) -> str:
@@ -315,6 +319,7 @@ class S3Server:
             f"-s3.port={self.port}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
             "-volume.preStopSeconds=0",  # one node: no master to drain writes away from it first
+            f"-volume.max={self.max_volumes}",
             *[f"-{n}={p}" for n, p in self.extra_ports.items()],
         ]
 
