@@ -118,15 +118,17 @@ async def drive(base_url: str, api_key: str, model: str, w: wl.Workloads, say: C
 
 
 @contextmanager
-def vllm_server(cfg: PeerConfig, port: int, say: Callable[[str], None]) -> Iterator[Path]:
+def vllm_server(cfg: PeerConfig, port: int, say: Callable[[str], None], extra_args: tuple[str, ...] = (),
+                extra_env: dict[str, str] | None = None, log_name: str = "vllm.log") -> Iterator[Path]:
     """vLLM's OpenAI server on the checkpoint, started and stopped by PID; yields its log path."""
     import httpx
 
-    log = cfg.out_dir / "vllm.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    log = cfg.out_dir / log_name
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+           **(extra_env or {})}
     argv = [str(cfg.peer_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_dir),
             "--served-model-name", cfg.model_dir.name, "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

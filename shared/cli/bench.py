@@ -324,6 +324,41 @@ def peer(
 
 
 @app.command()
+def connector(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
+    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM and kvmesh in it "
+                                                          "(bench/make_peer_venv.sh, then pip install -e . there).")] = None,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint dir; default: SmolLM2-135M-Instruct, imported into --out.")] = None,
+    out: Annotated[Path, typer.Option(help="Where the JSON and vLLM's logs go.")] = Path(".kvmesh/bench-connector"),
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent agent sessions.")] = 8,
+    calls: Annotated[int, typer.Option(min=2, help="Calls per session; the last one is sent after the restart.")] = 10,
+    kv_cache_gib: Annotated[int, typer.Option(min=1, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE), both runs.")] = 1,
+    l2_gib: Annotated[float, typer.Option(help="kvmesh's L2 in the vLLM worker.")] = 2.0,
+    threads: Annotated[int, typer.Option(min=1, help="vLLM's torch threads (OMP_NUM_THREADS).")] = 2,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+) -> None:
+    """vLLM alone against vLLM with kvmesh's connector: agent sessions, a restart, their returning turns."""
+    import subprocess
+
+    from kvmesh.bench.connector import run_connector_bench
+    from kvmesh.bench.peer import PeerConfig
+
+    probe = "import vllm, kvmesh.connectors.vllm.connector"
+    if peer_python is None or subprocess.run([str(peer_python), "-c", probe], capture_output=True).returncode != 0:
+        typer.echo("kvmesh bench connector needs --peer-python: a venv with vLLM and kvmesh "
+                   "(bash bench/make_peer_venv.sh DIR && DIR/bin/pip install -e .)", err=True)
+        raise typer.Exit(2)
+    if model is None:
+        from kvmesh.stack.model import default_model_dir
+
+        model = default_model_dir(out)
+    cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
+                     calls=calls, threads=threads, kv_cache_gib=kv_cache_gib, seed=seed)
+    result = run_connector_bench(cfg, int(l2_gib * 2**30), lambda line: typer.echo(f"[connector] {line}", err=True))
+    typer.echo(json.dumps(result, indent=None if json_out else 2))
+
+
+@app.command()
 def handoff(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
     geometry: Annotated[str, typer.Option(help="KV geometry: 8b (Llama-3-8B) or 70b (Llama-3-70B).")] = "8b",

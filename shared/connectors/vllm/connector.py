@@ -101,9 +101,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors() if self.worker is not None else set()
 
     def shutdown(self) -> None:
-        if self.worker is not None and self.worker.store is not None:
-            self.worker.store.close()
+        if self.worker is not None:
+            log.info("kvmesh connector stopping", role="WORKER", loaded_blocks=self.worker.loaded_blocks,
+                     kept_blocks=self.worker.kept_blocks)
+            if self.worker.store is not None:
+                self.worker.store.close()
         if self.scheduler is not None:
+            log.info("kvmesh connector stopping", role="SCHEDULER", lookups=self.scheduler.lookups,
+                     offered_tokens=self.scheduler.offered_tokens)
             self.scheduler.view.close()
 
     # -- scheduler ---------------------------------------------------------

@@ -5,7 +5,8 @@ way and asks the store view how far the chain is held (the worker's L2, then
 L3). It offers whole blocks past vLLM's own prefix hit, never the last token
 (vLLM must compute at least one). The lookup is synchronous: an L2 probe is
 a read of shared memory, an L3 probe one HEAD per chunk (none for chunks the
-view already saw).
+view already saw), and a request asked about again while it waits for room
+gets the answer it got before.
 
 Once vLLM has allocated the request's blocks, the load is planned onto them.
 Every step then plans to keep each block that became full and computed in
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.connectors.vllm.identity import chain_hashes, tenant_salt_hex
 from kvmesh.connectors.vllm.plan import LoadPlan, SavePlan, StepPlan
-from kvmesh.connectors.vllm.store import StoreView
+from kvmesh.connectors.vllm.store import Reach, StoreView
 from kvmesh.log import get_logger
 
 log = get_logger(__name__)
@@ -44,6 +45,7 @@ class SchedulerSide:
     tracked: dict[str, Tracked] = field(default_factory=dict)
     _loads: list[LoadPlan] = field(default_factory=list)
     _offers: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (first, end) offered positions
+    _seen: dict[str, tuple[int, Reach]] = field(default_factory=dict)  # request -> (loadable blocks, its reach)
     lookups: int = 0
     offered_tokens: int = 0
 
@@ -54,10 +56,15 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         if loadable <= first:
             return 0
-        salt = tenant_salt_hex(getattr(request, "cache_salt", None))
-        hashes = chain_hashes(tokens[:loadable * self.block_size], self.block_size, self.fingerprint, salt)
-        reach = self.view.reach(salt, hashes)
-        self.lookups += 1
+        seen = self._seen.get(request.request_id)
+        if seen is not None and seen[0] == loadable:  # asked again while it waits for room: same answer
+            reach = seen[1]
+        else:
+            salt = tenant_salt_hex(getattr(request, "cache_salt", None))
+            hashes = chain_hashes(tokens[:loadable * self.block_size], self.block_size, self.fingerprint, salt)
+            reach = self.view.reach(salt, hashes)
+            self._seen[request.request_id] = (loadable, reach)
+            self.lookups += 1
         if reach.total <= first:
             self._offers.pop(request.request_id, None)
             return 0
@@ -68,6 +75,7 @@ class SchedulerSide:
         """vLLM gave the request `block_ids` (all of its blocks); plan the load it was offered."""
         t = self._track(request)
         t.block_ids = list(block_ids)
+        self._seen.pop(request.request_id, None)
         offer = self._offers.pop(request.request_id, None)
         if num_external_tokens <= 0 or offer is None:
             return
@@ -106,6 +114,7 @@ class SchedulerSide:
     def finished(self, request) -> None:
         self.tracked.pop(request.request_id, None)
         self._offers.pop(request.request_id, None)
+        self._seen.pop(request.request_id, None)
 
     def _track(self, request) -> Tracked:
         t = self.tracked.get(request.request_id)
