@@ -151,23 +151,28 @@ class WorkerStore:
         """Put `blocks` (by hash) into L2 and offer the chain `hashes` (position 0 first) to L3; how many L2 took.
 
         A block of the chain L2 already holds is read from L2 when its chunk's upload comes; one L2
-        could not take goes to the queue encoded.
+        could not take goes to the queue encoded. A block neither held nor given (L2 let it go since)
+        ends what L3 is offered, since chunks are positional; the given blocks after it still go to L2.
         """
         stored: list[tuple[bytes, bytes | None]] = []
         evicted: list[bytes] = []
         chain: list = []
+        gap = False
         for h in hashes:
-            if h in self.l2:
-                chain.append(None)
-                continue
             kb = blocks.get(h)
-            if kb is None:  # neither held nor computed: the chain ends here for L3
-                break
-            put = self.l2.put_block(kb)
-            evicted += put.evicted
-            if put.stored:
-                stored.append((h, kb.parent_hash))
-            chain.append(None if put.stored else encode_kv_block(kb, self.l2.fingerprint))
+            if h in self.l2:
+                entry = None
+            elif kb is not None:
+                put = self.l2.put_block(kb)
+                evicted += put.evicted
+                if put.stored:
+                    stored.append((h, kb.parent_hash))
+                entry = None if put.stored else encode_kv_block(kb, self.l2.fingerprint)
+            else:
+                gap = True
+                continue
+            if not gap:
+                chain.append(entry)
         if self.fleet is not None and (stored or evicted):
             self._loop.call_soon_threadsafe(self.fleet.l2_changed, stored, evicted, self.block_size)
         if chain and self.uploads is not None:
