@@ -53,6 +53,8 @@ def test_tenant_salts() -> None:
 
 
 def test_fingerprint_covers_weights_dtype_and_config(tmp_path) -> None:
+    with pytest.raises(ValueError, match="local checkpoint dir"):
+        model_fingerprint(tmp_path / "HuggingFaceTB/SmolLM2-135M-Instruct", "float32")  # a hub id, not a dir
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     base = model_fingerprint(tmp_path, "float32")

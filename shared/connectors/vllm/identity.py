@@ -30,12 +30,16 @@ ENGINE = "vllm"
 
 
 def model_fingerprint(model_dir: Path, kv_dtype: str) -> str:
-    """sha256 over config.json, every *.safetensors file's bytes (sorted by name), the KV dtype and the engine."""
+    """sha256 over config.json, every weight file's bytes (sorted by name), the KV dtype and the engine."""
+    weights = sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")])
+    if not (model_dir / "config.json").is_file() or not weights:
+        raise ValueError(f"KVMeshConnector names KV by the checkpoint's bytes: give vLLM a local checkpoint dir "
+                         f"(config.json and *.safetensors or *.bin), not {model_dir}")
     h = hashlib.sha256()
     config = json.loads((model_dir / "config.json").read_text())
     h.update(json.dumps({"config": config, "kv_dtype": kv_dtype, "engine": ENGINE},
                         sort_keys=True, separators=(",", ":")).encode())
-    for path in sorted(model_dir.glob("*.safetensors")):
+    for path in weights:
         h.update(path.name.encode() + b"\0")
         with path.open("rb") as f:
             h.update(hashlib.file_digest(f, "sha256").digest())
