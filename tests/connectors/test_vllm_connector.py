@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import nats.js.errors
 import pytest
 import torch
 from bus.helpers import connected, eventually
@@ -120,13 +121,18 @@ async def _stored_by_vllm(url: str) -> dict[Tier, set[bytes]]:
     found: dict[Tier, set[bytes]] = {}
     async with connected(url) as nc:
         js = nc.jetstream()
-        last = (await js.stream_info(KV_EVENTS.name)).state.last_seq
-        for seq in range(1, last + 1):
-            batch = KVEventBatch.from_bytes((await js.get_msg(KV_EVENTS.name, seq)).data)
-            if batch.worker.startswith("vllm-"):
-                for e in batch.events:
-                    if isinstance(e, BlockStored):
-                        found.setdefault(e.tier, set()).update(bytes.fromhex(h) for h in e.hashes)
+        info = await js.stream_info(KV_EVENTS.name)
+        vllm_subjects = subjects.kv_events("vllm-")  # the stream holds other tests' workers too
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg(KV_EVENTS.name, seq)
+            except nats.js.errors.NotFoundError:  # deleted by another test's purge
+                continue
+            if not msg.subject.startswith(vllm_subjects):
+                continue
+            for e in KVEventBatch.from_bytes(msg.data).events:
+                if isinstance(e, BlockStored):
+                    found.setdefault(e.tier, set()).update(bytes.fromhex(h) for h in e.hashes)
     return found
 
 
