@@ -14,6 +14,7 @@ kept: L2 at once, L3 by the store's upload queue.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ def layer_order(names) -> list[str]:
 
 @dataclass
 class WorkerSide:
-    store_factory: object  # (block_bytes) -> WorkerStore: built once the KV geometry is known
+    store_factory: Callable[[int], WorkerStore]  # block bytes -> the store, built once the KV geometry is known
     dtype: str
     block_size: int
     store: WorkerStore | None = None
