@@ -22,9 +22,9 @@ Contract with the stack launcher (`kvmesh up`):
   per-worker consumers.
 - `GET http://<http_host>:<port>/readyz` answers 200 once NATS is connected,
   every consumer is bound, the service's own check passes and its first
-  heartbeat is written (so a router that reads the `workers` bucket can see
-  it; 503 with the failing checks before that and while draining); `/healthz` 200 while the
-  process lives; `/metrics` Prometheus text (kvmesh_* names).
+  heartbeat is written (a router reading the `workers` bucket can see it);
+  503 with the failing checks before that and while draining. `/healthz`
+  200 while the process lives; `/metrics` Prometheus text (kvmesh_* names).
 - logs are JSON lines on stderr, one startup line `service ready` carries
   `http_endpoint` and `worker_id`; the worker's `Heartbeat` (role, load,
   capacity, http endpoint) is in the `workers` KV bucket under its id.
