@@ -75,3 +75,27 @@ def test_a_block_l2_let_go_ends_the_l3_offer_but_not_what_l2_takes(store, settin
     keys = {o.object_name for o in store.l3.client.list_objects(store.l3.bucket, recursive=True)}
     ns = namespace_for("")
     assert store.l3.key(ns, hashes[3]) in keys and store.l3.key(ns, hashes[5]) not in keys  # chunk 3 needs block 1
+
+
+def test_a_same_host_peer_slab_is_read_before_l3(settings) -> None:
+    """Worker b names worker a as its peer: b's view and fetch find what a kept, with nothing in b's L2 or L3."""
+    a_id, b_id = (f"vllm-{n}-{uuid.uuid4().hex[:8]}" for n in "ab")
+    settings = settings.model_copy(update={"tiers": settings.tiers.model_copy(update={"l3_enabled": False})})
+    a = WorkerStore(settings, a_id, FP, BLOCK, block_bytes=4096)
+    b = WorkerStore(settings, b_id, FP, BLOCK, block_bytes=4096, peers=[a_id, b_id])
+    view = StoreView(settings, b_id, FP, BLOCK, peers=[a_id])
+    try:
+        blocks = chain(4, seed=3)
+        hashes = [x.block_hash for x in blocks]
+        a.keep("", hashes, {x.block_hash: x for x in blocks})
+        assert len(b.l2) == 0 and b.l3 is None
+        assert (view.reach("", hashes).l2, view.reach("", hashes).total) == (4, 4)
+        got = b.fetch("", hashes, 0)
+        assert [g.header.block_hash for g in got] == hashes
+        assert all(torch.equal(g.data, x.data) for g, x in zip(got, blocks, strict=True))
+        a.l2.remove(hashes[2])  # the peer lets one go: b's reach and fetch stop there
+        assert view.reach("", hashes).total == 2 and len(b.fetch("", hashes, 0)) == 2
+    finally:
+        view.close()
+        b.close()
+        a.close()

@@ -13,7 +13,9 @@ different processes (scheduler_side.py, worker_side.py); the scheduler's
 plan for each step reaches the worker as `StepPlan`.
 
 `kv_connector_extra_config` may set `worker_id` (the L2 slab's name; by
-default derived from vLLM's engine id, which both processes share).
+default derived from vLLM's engine id, which both processes share) and
+`peers`, the worker ids of other vLLM instances on this host whose L2 slabs
+it reads before S3.
 Everything else comes from kvmesh's settings (`KVMESH_*`: L2 size, S3
 endpoint, bucket, credentials under the state dir).
 
@@ -55,16 +57,17 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.dtype = self._kv_dtype(vllm_config)
         settings = load_settings()
         worker_id = str(extra.get("worker_id") or f"vllm-{transfer.engine_id}")
+        peers = [str(p) for p in extra.get("peers", ())]
         fingerprint = model_fingerprint(Path(vllm_config.model_config.model), self.dtype)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            view = StoreView(settings, worker_id, fingerprint, self.block_size)
+            view = StoreView(settings, worker_id, fingerprint, self.block_size, peers)
             self.scheduler = SchedulerSide(view, fingerprint, self.block_size)
         else:
             check_packing(self._packing(vllm_config))
             self.worker = WorkerSide(
-                lambda block_bytes: WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes),
+                lambda block_bytes: WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes, peers),
                 self.dtype, self.block_size)
         log.info("kvmesh connector ready", role=role.name, worker_id=worker_id, fingerprint=fingerprint[:12],
                  block_size=self.block_size, dtype=self.dtype)

@@ -5,7 +5,8 @@ scheduler's copy decides how many tokens to load, the worker's copy moves the
 bytes. So the worker owns the data (`WorkerStore`: its L2 is a kvmesh slab,
 `/dev/shm/kvmesh_<worker>_l2`, and its L3 uploads), and the scheduler reads
 where it stands (`StoreView`: the slab's directory, mapped read-only, then S3
-chunk by chunk). Both are built from kvmesh's own settings (`KVMESH_*`
+chunk by chunk). Other vLLM workers on the host (`peers`, by worker id) are
+read the same way: their slabs after this worker's own, before S3. Both are built from kvmesh's own settings (`KVMESH_*`
 environment, the state dir's S3 credentials), as any kvmesh worker's are.
 
 What the view reports is a promise the worker may fail to keep (L2 evicts
@@ -27,7 +28,8 @@ from kvmesh.connectors.vllm.fleet import FleetLink
 from kvmesh.engine.kv_block import KVBlock
 from kvmesh.log import get_logger
 from kvmesh.serving.worker_tiers import L2Source
-from kvmesh.tiers.block_format import StoredBlock, encode_kv_block
+from kvmesh.protocol.blocks import Tier
+from kvmesh.tiers.block_format import StoredBlock, decode_or_miss, encode_kv_block
 from kvmesh.tiers.factory import build_host_tier, build_l3_store
 from kvmesh.tiers.known_chunks import KnownChunks
 from kvmesh.tiers.l2_host import HostTier
@@ -43,26 +45,30 @@ log = get_logger(__name__)
 
 @dataclass(slots=True)
 class Reach:
-    """How far a chain is held: `l2` blocks in the worker's L2 from position 0, `total` in L2 then L3."""
+    """How far a chain is held: `l2` blocks in host memory (the worker's L2 or a peer's) from position 0,
+    `total` in host memory then L3."""
 
     l2: int
     total: int
 
 
 class StoreView:
-    """The scheduler's read-only view of a worker's tiers."""
+    """The scheduler's read-only view of a worker's tiers, and of its same-host peers' L2 slabs."""
 
-    def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int) -> None:
+    def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int,
+                 peers: Sequence[str] = ()) -> None:
         self.worker_id = worker_id
+        self.peers = [p for p in peers if p != worker_id]
         self.slab = SlabReader()
         self.l3 = build_l3_store(settings, fingerprint, block_size, MissCounters())
         if self.l3 is not None:
             self.l3.known = KnownChunks(settings.tiers.l3_known_chunks, settings.tiers.l3_known_max_age_s)
 
     def reach(self, salt_hex: str, hashes: Sequence[bytes]) -> Reach:
-        """The longest prefix of `hashes` the worker can load: its L2 first, then whole L3 chunks."""
+        """The longest prefix of `hashes` the worker can load: host memory first (its L2, then its peers'),
+        then whole L3 chunks."""
         in_l2 = 0
-        while in_l2 < len(hashes) and self.slab.holds(self.worker_id, hashes[in_l2]):
+        while in_l2 < len(hashes) and any(self.slab.holds(w, hashes[in_l2]) for w in (self.worker_id, *self.peers)):
             in_l2 += 1
         total = in_l2
         if self.l3 is not None:
@@ -101,8 +107,10 @@ class WorkerStore:
     """The worker's tiers: fetch verified blocks for a load, keep computed blocks (L2 now, L3 in the background)."""
 
     def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, peers: Sequence[str] = ()) -> None:
         self.block_size = block_size
+        self.peers = [p for p in peers if p != worker_id]
+        self.peer_slabs = SlabReader()
         self.counters = MissCounters()
         self.l2: HostTier = build_host_tier(settings, fingerprint, worker_id, self.counters, block_bytes)
         self.l3: L3Store | None = build_l3_store(settings, fingerprint, block_size, self.counters)
@@ -129,6 +137,8 @@ class WorkerStore:
         while pos < len(hashes):
             got = self.l2.get(hashes[pos])
             if isinstance(got, Miss):
+                got = self._from_peers(hashes[pos])
+            if got is None:
                 break
             found.append(got)
             pos += 1
@@ -146,6 +156,16 @@ class WorkerStore:
             found += chunk[pos - positions[0]:]
             pos = positions[-1] + 1
         return found
+
+    def _from_peers(self, block_hash: bytes) -> StoredBlock | None:
+        """A verified copy out of a same-host peer's slab (a damaged or overwritten copy is a counted miss)."""
+        for peer in self.peers:
+            buf = self.peer_slabs.read(peer, block_hash)
+            got = None if buf is None else decode_or_miss(buf, self.l2.fingerprint, block_hash, Tier.PEER,
+                                                          self.counters)
+            if isinstance(got, StoredBlock):
+                return got
+        return None
 
     def keep(self, salt_hex: str, hashes: Sequence[bytes], blocks: dict[bytes, KVBlock]) -> int:
         """Put `blocks` (by hash) into L2 and offer the chain `hashes` (position 0 first) to L3; how many L2 took.
@@ -196,6 +216,7 @@ class WorkerStore:
             self._run(self.fleet.leave(), 30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self.peer_slabs.close()
         self.l2.close()
 
     async def _start_uploads(self) -> None:
