@@ -1,6 +1,6 @@
 """vLLM (CPU build) with kvmesh's connector: same greedy tokens as vLLM alone, prefixes restored from L2 and,
 after a restart, from L3; a damaged L3 chunk is recomputed, never served; tenants stay apart; the cache index
-sees the vLLM worker's blocks.
+sees the vLLM worker's blocks; a second vLLM on the host restores from the first one's L2.
 
 vLLM runs in its own venv (`.vllm-venv`, made by .ci/run; or KVMESH_VLLM_PYTHON), driven by vllm_driver.py
 against the real default model and a real S3 server. Every run starts a fresh vLLM (about a minute here).
@@ -63,13 +63,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return default_model_dir(tmp_path_factory.mktemp("state"))
 
 
-def run(model: Path, calls: list[dict], tmp: Path, env: dict[str, str], *flags: str) -> dict:
+def driver(model: Path, calls: list[dict], tmp: Path, env: dict[str, str], *flags: str) -> tuple[list[str], dict, Path]:
+    """The driver's argv, environment and output path for these calls."""
     name = uuid.uuid4().hex[:8]
     calls_path, out = tmp / f"calls-{name}.json", tmp / f"out-{name}.json"
     calls_path.write_text(json.dumps(calls))
-    proc = subprocess.run([vllm_python(), str(DRIVER), str(model), str(calls_path), str(out), *flags],
-                          env={**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}, cwd=tmp,
-                          capture_output=True, text=True, timeout=900)
+    argv = [vllm_python(), str(DRIVER), str(model), str(calls_path), str(out), *flags]
+    return argv, {**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}, out
+
+
+def run(model: Path, calls: list[dict], tmp: Path, env: dict[str, str], *flags: str) -> dict:
+    argv, full_env, out = driver(model, calls, tmp, env, *flags)
+    proc = subprocess.run(argv, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
     assert proc.returncode == 0, f"vLLM driver failed ({proc.returncode})"
@@ -198,3 +203,30 @@ def test_vllm_with_kvmesh_restores_from_l2_and_l3_and_recomputes_damage(model_di
     assert healed != bytes(damaged)  # the damaged object was removed and the recomputed chain put back
     toc = decode_toc(healed)
     decode_block(memoryview(healed)[toc[-1][1]:toc[-1][1] + toc[-1][2]], fp, r_hashes[5])  # verifies
+
+
+def test_a_second_vllm_restores_from_its_neighbours_l2(model_dir, tmp_path) -> None:
+    """Two vLLM instances on one host, no S3: the second loads what the first computed from the first's slab."""
+    env = {"KVMESH_TIERS__L3_ENABLED": "false", "KVMESH_STATE_DIR": str(tmp_path / "kvmesh")}
+    first_id, second_id = (f"vllm-{n}-{uuid.uuid4().hex[:8]}" for n in ("one", "two"))
+    p = prompt(4, 230)  # 7 loadable blocks of 32
+    calls = [{"prompt_token_ids": p, "max_tokens": 8}]
+    release = tmp_path / "release"
+    argv, full_env, out = driver(model_dir, calls, tmp_path, env, "--connector", "--worker-id", first_id,
+                                 "--hold", str(release))
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(argv, env=full_env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        asyncio.run(eventually(lambda: out.exists() or first.poll() is not None, 900, "the first vLLM's answer"))
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+        computed = json.loads(out.read_text())["calls"][0]
+        second = run(model_dir, calls, tmp_path, env, "--connector", "--worker-id", second_id, "--peers", first_id)
+        assert second["calls"][0] == {"tokens": computed["tokens"], "cached": 7 * BLOCK}
+    finally:
+        release.touch()
+        try:
+            first.wait(120)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
+        log.close()

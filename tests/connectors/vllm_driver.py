@@ -3,10 +3,13 @@
 Run by tests/connectors with the vLLM venv's python (vLLM spawns processes, hence the main guard):
 
     python vllm_driver.py MODEL_DIR CALLS_JSON OUT_JSON [--connector] [--no-prefix-caching] [--wait-s3 N]
+        [--worker-id ID] [--peers ID,...] [--hold FILE]
 
 CALLS_JSON: [{"prompt_token_ids": [...], "cache_salt": "..." (optional), "max_tokens": n}, ...].
 OUT_JSON: [{"tokens": [...], "cached": num_cached_tokens}, ...]. `--wait-s3 N` waits (up to a minute)
 until the bucket holds at least N objects before exiting: the L3 uploads run in the background.
+`--worker-id` and `--peers` go to the connector's extra config. `--hold FILE`: after writing OUT_JSON, stay
+up (and keep the L2 slab) until FILE exists, at most 15 minutes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def main() -> None:
     ap.add_argument("--connector", action="store_true")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--wait-s3", type=int, default=0)
+    ap.add_argument("--worker-id", default="")
+    ap.add_argument("--peers", default="")
+    ap.add_argument("--hold", default="")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -47,7 +53,10 @@ def main() -> None:
     if args.connector:
         kwargs["kv_transfer_config"] = {"kv_connector": "KVMeshConnector",
                                         "kv_connector_module_path": "kvmesh.connectors.vllm",
-                                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+                                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                        "kv_connector_extra_config": {
+                                            **({"worker_id": args.worker_id} if args.worker_id else {}),
+                                            "peers": [p for p in args.peers.split(",") if p]}}
     llm = LLM(model=args.model, dtype="float32", block_size=32, max_model_len=2048, gpu_memory_utilization=0.3,
               enable_prefix_caching=not args.no_prefix_caching, **kwargs)
     results = []
@@ -60,8 +69,12 @@ def main() -> None:
         out = llm.generate([prompt], SamplingParams(max_tokens=call["max_tokens"], temperature=0), use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens})
     objects = wait_for_objects(args.wait_s3) if args.wait_s3 else None
-    with open(args.out, "w") as f:
+    with open(args.out + ".tmp", "w") as f:
         json.dump({"calls": results, "s3_objects": objects}, f)
+    os.replace(args.out + ".tmp", args.out)
+    deadline = time.monotonic() + 900
+    while args.hold and not os.path.exists(args.hold) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
