@@ -124,10 +124,10 @@ class SchedulerSide:
         return t
 
     def _save_plan(self, t: Tracked, computed: int) -> SavePlan | None:
-        tokens = list(t.request.all_token_ids)
-        full = min(computed, len(tokens), len(t.block_ids) * self.block_size) // self.block_size
-        if full <= t.kept:
+        full = min(computed, t.request.num_tokens, len(t.block_ids) * self.block_size) // self.block_size
+        if full <= t.kept:  # most decode steps: no block filled, no copy of the tokens
             return None
+        tokens = list(t.request.all_token_ids)
         self._extend_hashes(t, full, tokens)
         n = self.block_size
         plan = SavePlan(t.request.request_id, t.salt_hex, t.hashes[:full], t.kept, t.block_ids[t.kept:full],

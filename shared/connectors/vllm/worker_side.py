@@ -75,12 +75,16 @@ class WorkerSide:
     def keep(self, plans: list[SavePlan]) -> None:
         assert self.store is not None
         for plan in plans:
-            ids = torch.tensor(plan.block_ids, dtype=torch.long)
-            data = pages_to_blocks([cache.index_select(0, ids) for cache in self.layers])
+            # only blocks L2 lacks leave vLLM's cache (one just loaded from L2 is there already)
+            todo = [i for i in range(len(plan.block_ids)) if plan.hashes[plan.first + i] not in self.store.l2]
             blocks: dict[bytes, KVBlock] = {}
-            for i, pos in enumerate(range(plan.first, plan.first + len(plan.block_ids))):
-                parent = plan.hashes[pos - 1] if pos else None
-                blocks[plan.hashes[pos]] = KVBlock(plan.hashes[pos], parent, plan.token_ids[i], data[i])
+            if todo:
+                ids = torch.tensor([plan.block_ids[i] for i in todo], dtype=torch.long)
+                data = pages_to_blocks([cache.index_select(0, ids) for cache in self.layers])
+                for row, i in enumerate(todo):
+                    pos = plan.first + i
+                    parent = plan.hashes[pos - 1] if pos else None
+                    blocks[plan.hashes[pos]] = KVBlock(plan.hashes[pos], parent, plan.token_ids[i], data[row])
             self.kept_blocks += self.store.keep(plan.salt_hex, plan.hashes, blocks)
 
     def take_load_errors(self) -> set[int]:
