@@ -56,6 +56,9 @@ def sim(
              "0: at arrival.")] = 50.0,
     geometry: Annotated[str, typer.Option(help="Model geometry of the TTFT model: 8b or 70b.")] = "8b",
     l2_gbps: Annotated[float | None, typer.Option(help="L2 -> GPU restore rate of the TTFT model, GB/s.")] = None,
+    groups: Annotated[bool, typer.Option(
+        help="Link a sub-agent to the parent its trace line names (parent_session_id); off: to measure what "
+             "that gives.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Replay TRACE and print each policy's prefix hit rate per tier and its modeled TTFT."""
@@ -100,7 +103,8 @@ def sim(
     curves = None
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(f"replay @ L1 {capacity} / L2 {l2} blocks", total=len(names) * len(data.requests))
-        base = ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction, decode_tokens_per_s=decode_tokens_per_s)
+        base = ReplayOptions(l2_capacity=l2, pin_fraction=pin_fraction, decode_tokens_per_s=decode_tokens_per_s,
+                             groups=groups)
         results = run_all_tiers(data, names, capacity,
                                 replace(base, ttft=model, progress=lambda n: bar.advance(task, n)))
         if sweep or plot is not None:
@@ -137,6 +141,7 @@ def sim(
         "pinned_max_blocks": {n: r.pinned_max for n, r in results.items() if r.pinned_max},
         "pin_fraction": pin_fraction,
         "decode_tokens_per_s": decode_tokens_per_s,
+        "groups": groups,
         "ttft_model": model.describe(),
     }
     if curves is not None:

@@ -41,6 +41,9 @@ def from_trajectories(
     session_ids: Annotated[
         bool, typer.Option(help="Write each turn's session_id (off: a server would have to infer the sessions).")
     ] = True,
+    sub_agents: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="Chance a session forks a sub-agent at one of its tool calls (parent_session_id).")] = 0.0,
+    sub_agent_turns: Annotated[int, typer.Option(min=1, help="The most turns a sub-agent runs.")] = 8,
 ) -> None:
     """Turn DIRECTORY's trajectories into a Mooncake-format trace with session_id and tool_calls."""
     from kvmesh.sim.trajectories import (
@@ -69,7 +72,7 @@ def from_trajectories(
     )
     config = SessionsConfig(
         sessions=sessions, rate=rate, seed=seed, timing=timing, max_tokens=max_tokens,
-        share_system_prompt=shared_system_prompt,
+        share_system_prompt=shared_system_prompt, sub_agents=sub_agents, sub_agent_turns=sub_agent_turns,
     )
     err = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -126,6 +126,8 @@ class SessionRetention:
         key = (ev.tenant, ev.session_id)
         sid = self._book_id(key)
         old = self.sessions.get(key)
+        if ev.parent_session_id is not None:  # the book ranks what a group shares by its earliest return
+            self.book.link(sid, self._book_id((ev.tenant, ev.parent_session_id)))
         if ev.outcome is TurnOutcome.STARTED:
             return self._started(ev, key, old, now)
         chain = self._chain(ev)

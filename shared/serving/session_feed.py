@@ -14,6 +14,8 @@ pool, which is what LRU evicts first. The worker feeds the book:
   event), and binds the prompt's blocks to it;
 - the session's `SessionEvent` (stream SESSIONS, new events only) ends the
   turn with its outcome, tools and hint;
+- an event that names the session's parent (a sub-agent) links the two in
+  the book, so the prefix they share ranks by the earliest of their returns;
 - every `tick_s` the book re-estimates sessions still away (`advance`).
 
 After each, the evictable blocks whose rank moved are re-keyed in the prefix
@@ -100,6 +102,8 @@ class SessionFeed:
                 return  # delivered after its own end: the turn is over
 
             def start(e) -> None:
+                if ev.parent_session_id is not None:
+                    book.link(ev.session_id, ev.parent_session_id)
                 book.turn_announced(ev.session_id, _monotonic(ev.at), explicit=ev.named)
                 e.cache.rekey(book.take_changed())
             await self.engine.call(start)
@@ -111,6 +115,8 @@ class SessionFeed:
         hint = None if ev.expected_return_ms is None else ev.expected_return_ms / 1000.0
 
         def end(e) -> None:
+            if ev.parent_session_id is not None:
+                book.link(ev.session_id, ev.parent_session_id)
             book.turn_ended(ev.session_id, _monotonic(ev.at), ev.outcome, ev.tools, hint)
             e.cache.rekey(book.take_changed())
         await self.engine.call(end)

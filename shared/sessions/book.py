@@ -24,6 +24,12 @@ longer sends (its context was rewritten, or the block was the ragged end of
 the previous prompt, now filled with the answer). An unknown block gets the prior of a first
 answer turn that ended at its last access.
 
+Forked sessions (a sub-agent and the session it was forked from: `link`)
+form a group. A block one member sent and another sends again stays with
+both (up to `_MAX_KEEPERS` earlier members keep it), and is needed at the
+earliest of their next uses: the prefix a sub-agent shares with its parent
+is kept for the parent waiting on it, after the sub-agent's last answer.
+
 The next use of a session changes only at its turn events and at its
 deadline; the blocks whose key moved are collected for ``take_changed`` so
 a lazy-heap cache can re-key them (``PolicyCache.rekey``). Bounded (blocks,
@@ -54,10 +60,15 @@ class BookConfig:
     track_changes: bool = True
 
 
+_MAX_KEEPERS = 8  # earlier members of the owner's group that still hold a block
+_MAX_GROUP_DEPTH = 16  # parent links followed to find a group's root
+
+
 @dataclass(slots=True)
 class _Block:
     session: str  # the latest session that sent it
     shared: bool  # sent by more than one session
+    keepers: tuple[str, ...] = ()  # earlier senders in `session`'s group that still hold it (latest first)
 
 
 @dataclass(slots=True)
@@ -67,6 +78,7 @@ class _Session:
     state: float | Outlook | None = None
     version: int = 0  # bumped by every turn event: stale checkpoints are ignored
     explicit: bool = False  # the client named it (an id it sent), rather than the server inferring it
+    parent: str | None = None  # the session it was forked from (`link`)
 
 
 class SessionBook:
@@ -110,13 +122,13 @@ class SessionBook:
             if self.config.track_changes:
                 self._changed.update(s.blocks)
         if isinstance(s.state, float) and s.state < math.inf:
-            self._drop_unsent(s, hashes, observe=observe and not s.explicit)
+            self._drop_unsent(session_id, s, hashes, observe=observe and not s.explicit)
             self.bind(session_id, hashes, at)
             return None
         if not s.explicit:
             self.inference.turn(known)
         error = self.predictor.turn_started(session_id, at)
-        self._drop_unsent(s, hashes, observe=observe and not s.explicit)
+        self._drop_unsent(session_id, s, hashes, observe=observe and not s.explicit)
         self.bind(session_id, hashes, at)
         self._set(s, at)
         return error
@@ -142,8 +154,16 @@ class SessionBook:
             self._seq += 1
             heapq.heappush(self._checkpoints, (t, self._seq, session_id, s.version))
 
+    def link(self, child: str, parent: str) -> None:
+        """``child`` was forked from ``parent`` (a sub-agent): they are one group from now on. A link
+        that would close a cycle is ignored; a newer link replaces an older one."""
+        if child == parent or self._root(parent) == child:
+            return
+        self._session(child).parent = parent
+
     def bind(self, session_id: str, hashes: Iterable[bytes], at: float) -> None:
-        """``session_id`` sent ``hashes`` at ``at``: they are its blocks now."""
+        """``session_id`` sent ``hashes`` at ``at``: they are its blocks now (and still its group's
+        earlier senders')."""
         s = self._session(session_id)
         for h in hashes:
             b = self._blocks.get(h)
@@ -151,17 +171,13 @@ class SessionBook:
                 b = self._blocks[h] = _Block(session_id, False)
                 if len(self._blocks) > self.config.max_blocks:
                     old_h, old = self._blocks.popitem(last=False)
-                    owner = self._sessions.get(old.session)
-                    if owner is not None:
-                        owner.blocks.pop(old_h, None)
+                    for holder in (old.session, *old.keepers):
+                        self._release(holder, old_h)
             else:
                 self._blocks.move_to_end(h)
                 if b.session != session_id:
                     b.shared = True
-                    owner = self._sessions.get(b.session)
-                    if owner is not None:
-                        owner.blocks.pop(h, None)
-                    b.session = session_id
+                    self._hand_over(h, b, session_id)
             s.blocks[h] = None
 
     def advance(self, now: float) -> None:
@@ -178,7 +194,8 @@ class SessionBook:
     # -- what policies read ---------------------------------------------------
 
     def next_use(self, block_hash: bytes, last_access: float) -> float:
-        """Expected time of the block's next read (inf: not expected again), as of its session's latest event."""
+        """Expected time of the block's next read (inf: not expected again), as of its session's latest
+        event; for a block a group shares, the earliest of its holders'."""
         b = self._blocks.get(block_hash)
         if b is not None and b.session == _NOBODY:
             state: float | Outlook | None = math.inf  # its session moved on without it
@@ -187,7 +204,12 @@ class SessionBook:
             state = s.state if s is not None else None
         if state is None or (state == math.inf and b is not None and b.shared):
             state = self.predictor.prior(last_access)  # unknown, or another session may want it
-        return state.next_use() if isinstance(state, Outlook) else state
+        t = state.next_use() if isinstance(state, Outlook) else state
+        for keeper in b.keepers if b is not None else ():
+            k = self._sessions.get(keeper)
+            if k is not None and k.state is not None:
+                t = min(t, k.state.next_use() if isinstance(k.state, Outlook) else k.state)
+        return t
 
     def take_changed(self) -> set[bytes]:
         """Blocks whose next use moved since the last call (to re-key), and forget them."""
@@ -221,8 +243,9 @@ class SessionBook:
     def _session(self, session_id: str) -> _Session:
         return self._sessions.entry(session_id, _Session)
 
-    def _drop_unsent(self, s: _Session, hashes: Sequence[bytes], observe: bool = False) -> None:
-        """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead.
+    def _drop_unsent(self, session_id: str, s: _Session, hashes: Sequence[bytes], observe: bool = False) -> None:
+        """Blocks the session sent before but not in this turn (a rewritten context, a ragged end) are dead
+        to it: to everyone if it owned them and no group member keeps them.
         `observe`: count the share sent again (a new turn of an inferred session)."""
         sent = set(hashes)
         dead = [h for h in s.blocks if h not in sent]
@@ -232,9 +255,39 @@ class SessionBook:
             del s.blocks[h]
             b = self._blocks.get(h)
             if b is not None:
-                b.session = _NOBODY
+                if b.session == session_id:
+                    b.session, b.keepers = (b.keepers[0], b.keepers[1:]) if b.keepers else (_NOBODY, ())
+                else:
+                    b.keepers = tuple(k for k in b.keepers if k != session_id)
             if self.config.track_changes:
                 self._changed.add(h)
+
+    def _hand_over(self, h: bytes, b: _Block, session_id: str) -> None:
+        """`session_id` sends `b`, which another session owns: it is the owner now. The previous owner
+        (and its keepers) keep it if they are in its group, and let it go otherwise."""
+        earlier = [k for k in (b.session, *b.keepers) if k != session_id and k != _NOBODY]
+        root = self._root(session_id)
+        keep = [k for k in earlier if self._root(k) == root]
+        for k in earlier:
+            if k not in keep:
+                self._release(k, h)
+        b.session, b.keepers = session_id, tuple(keep[:_MAX_KEEPERS])
+        for k in keep[_MAX_KEEPERS:]:
+            self._release(k, h)
+
+    def _release(self, session_id: str, h: bytes) -> None:
+        holder = self._sessions.get(session_id)
+        if holder is not None:
+            holder.blocks.pop(h, None)
+
+    def _root(self, session_id: str) -> str:
+        """The first session of `session_id`'s group (itself if it has no known parent)."""
+        for _ in range(_MAX_GROUP_DEPTH):
+            s = self._sessions.get(session_id)
+            if s is None or s.parent is None:
+                break
+            session_id = s.parent
+        return session_id
 
     def _set(self, s: _Session, state: float | Outlook, bump: bool = True) -> None:
         if bump:

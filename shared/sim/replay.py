@@ -61,6 +61,7 @@ class ReplayOptions:
     # a turn's end (its outcome event) comes this long per output token after arrival; 0: at arrival
     decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S
     ttft: TTFTModel | None = None
+    groups: bool = True  # sub-agents linked to the parents their trace lines name
     progress: Progress | None = None
     on_request: Callable[[int], None] | None = None  # before request i (an oracle follows the replay)
     tiers: list[TieredCache] = field(default_factory=list)  # receives the cache, for inspection
@@ -74,7 +75,8 @@ def replay(trace: Trace, policy: EvictionPolicy | QueuePolicy, capacity: int, pr
     on_request = on_request or opts.on_request
     cache = TieredCache(policy, capacity, opts.l2_capacity)
     opts.tiers.append(cache)
-    driver = (SessionDriver(policy, cache, pin_fraction=opts.pin_fraction, decode_tokens_per_s=opts.decode_tokens_per_s)
+    driver = (SessionDriver(policy, cache, pin_fraction=opts.pin_fraction, decode_tokens_per_s=opts.decode_tokens_per_s,
+                            groups=opts.groups)
               if isinstance(policy, SessionAware) else None)
     hits = l1_hits = total = 0
     ttft: list[float] = []

@@ -42,6 +42,7 @@ class SessionDriver:
     errors: list[float] = field(default_factory=list)  # signed return-time prediction errors (s)
     pinned_max: int = 0  # the most blocks pinned at once (after a grant)
     decode_tokens_per_s: float = 0.0  # a turn ends its decode time after arrival (0: at arrival)
+    groups: bool = True  # link a sub-agent to the parent the trace names (off: to measure what that gives)
 
     def __post_init__(self) -> None:
         fraction = self.policy.pin_fraction if self.pin_fraction is None else self.pin_fraction
@@ -59,6 +60,8 @@ class SessionDriver:
         """Before the cache serves ``request``: its turn starts. Returns its session."""
         session = self.session_of(request)
         named = request.session_id is not None  # the trace's id is the client's: otherwise it is inferred
+        if named and request.parent_session_id is not None and self.groups:
+            self.policy.book.link(session, request.parent_session_id)
         error = self.policy.book.turn_started(session, request.blocks, request.time_s, explicit=named)
         if error is not None:
             self.errors.append(error)

@@ -30,6 +30,7 @@ class TraceRequest:
     blocks: tuple[bytes, ...]
     session_id: str | None = None
     tool_calls: tuple[str, ...] | None = None  # None: the trace does not say how the turn ended
+    parent_session_id: str | None = None  # the session a sub-agent was forked from (with `session_id` only)
     block_size: int = TRACE_BLOCK_TOKENS  # tokens per hash id (the line's ``block_tokens``)
 
     def block_tokens(self, index: int) -> int:
@@ -80,6 +81,7 @@ def parse_line(line: str) -> TraceRequest:
         blocks=tuple(block_key(int(h)) for h in obj["hash_ids"]),
         session_id=None if obj.get("session_id") is None else str(obj["session_id"]),
         tool_calls=None if obj.get("tool_calls") is None else tuple(str(t) for t in obj["tool_calls"]),
+        parent_session_id=None if obj.get("parent_session_id") is None else str(obj["parent_session_id"]),
         block_size=int(obj.get("block_tokens") or TRACE_BLOCK_TOKENS),
     )
 

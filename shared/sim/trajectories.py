@@ -244,6 +244,8 @@ class SessionsConfig:
     max_tokens: int = 32768  # the agent preset's positions
     block_tokens: int = TRACE_BLOCK_TOKENS
     share_system_prompt: bool = True
+    sub_agents: float = 0.0  # chance a session forks one sub-agent (see `session_rows`)
+    sub_agent_turns: int = 8  # the most turns a sub-agent runs before it answers its parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,16 +258,21 @@ class TraceRow:
     hash_ids: tuple[int, ...]
     session_id: str
     tool_calls: tuple[str, ...]
+    parent_session_id: str | None = None  # a sub-agent's parent
 
     def to_json(self, session_id: bool = True) -> str:
-        """One trace line; without `session_id` the server must infer the sessions, as for clients that name none."""
+        """One trace line; without `session_id` the server must infer the sessions (and sub-agents' parents),
+        as for clients that name none."""
         line = {
             "timestamp": round(self.time_s * 1000), "input_length": self.input_length,
             "output_length": self.output_length, "hash_ids": list(self.hash_ids),
             "session_id": self.session_id, "tool_calls": list(self.tool_calls),
         }
+        if self.parent_session_id is not None:
+            line["parent_session_id"] = self.parent_session_id
         if not session_id:
             del line["session_id"]
+            line.pop("parent_session_id", None)
         return json.dumps(line)
 
 
@@ -274,11 +281,16 @@ def _tokens(pieces: Sequence[tuple[int, ...]]) -> list[int]:
 
 
 def session_rows(index: int, start_s: float, pool: Sequence[Trajectory], config: SessionsConfig) -> list[TraceRow]:
-    """The requests of session ``index``: one or more tasks in one growing conversation.
+    """The requests of session ``index``: one or more tasks in one growing conversation, and its sub-agent's.
 
     A follow-up task appends its messages after the system prompt to the
     conversation so far, and is drawn among those that fit ``max_tokens``;
     a task stops at a turn that would not fit.
+
+    With chance ``sub_agents`` the session forks a sub-agent at one tool-call
+    turn of its first task, drawn uniformly: that turn calls the tool
+    ``task``, whose run is the sub-agent's (`_sub_agent_rows`); the session
+    goes on once the sub-agent has answered.
     """
     rng = random.Random(f"{config.seed}:session:{index}")
     timing = config.timing
@@ -286,6 +298,9 @@ def session_rows(index: int, start_s: float, pool: Sequence[Trajectory], config:
     session_id = f"s{index:05d}"
     traj = rng.choice(pool)
     shared = len(_tokens(traj.pieces[: traj.system_messages])) if config.share_system_prompt else 0
+    fork_rng = random.Random(f"{config.seed}:sub-agent:{index}")  # its own draws: sub_agents=0 changes nothing
+    forks = [k for k, turn in enumerate(traj.turns[:-1]) if turn.tools]
+    fork_at = fork_rng.choice(forks) if forks and fork_rng.random() < config.sub_agents else None
     context: list[int] = []
     skip = 0  # the first task brings the system prompt; follow-ups continue after it
     rows: list[TraceRow] = []
@@ -296,9 +311,18 @@ def session_rows(index: int, start_s: float, pool: Sequence[Trajectory], config:
             if len(prompt) + turn.output_tokens > config.max_tokens:
                 break
             ids = chain_ids(prompt, salt, shared, config.block_tokens)
-            rows.append(TraceRow(t, len(prompt), turn.output_tokens, tuple(ids), session_id, turn.tools))
+            tools = ("task",) if k == fork_at else turn.tools
+            rows.append(TraceRow(t, len(prompt), turn.output_tokens, tuple(ids), session_id, tools))
             t += turn.output_tokens / timing.output_tokens_per_s
-            if k < len(traj.turns) - 1:
+            if k == fork_at:
+                context_so_far = prompt[: len(prompt) - len(traj.generation_prompt)]
+                child = _sub_agent_rows(f"{session_id}.sub", session_id, t, context_so_far, salt, shared, pool,
+                                        config, fork_rng)
+                rows += child
+                if child:
+                    t = child[-1].time_s + child[-1].output_length / timing.output_tokens_per_s
+                fork_at = None  # one sub-agent per session
+            elif k < len(traj.turns) - 1:
                 t += turn.tool_s if turn.tool_s is not None else timing.tool_s(rng)
         else:
             context = context + _tokens(traj.pieces[skip:])
@@ -310,6 +334,29 @@ def session_rows(index: int, start_s: float, pool: Sequence[Trajectory], config:
                     t += timing.human_s(rng)
                     continue
         return rows
+
+
+def _sub_agent_rows(session_id: str, parent: str, start_s: float, prefix: list[int], salt: bytes, shared: int,
+                    pool: Sequence[Trajectory], config: SessionsConfig, rng: random.Random) -> list[TraceRow]:
+    """A sub-agent forked from its parent's context ``prefix``: it sends that context and then a task of
+    its own (a trajectory's messages after its system prompt, drawn among those that fit), runs at most
+    ``sub_agent_turns`` turns, and gives its last answer back to the parent (``[]``)."""
+    fits = [x for x in pool if len(prefix) + _follow_up_tokens(x) <= config.max_tokens]
+    if not fits:
+        return []
+    traj = rng.choice(fits)
+    turns = traj.turns[: config.sub_agent_turns]
+    rows, t = [], start_s
+    for k, turn in enumerate(turns):
+        prompt = prefix + _tokens(traj.pieces[traj.system_messages: turn.prompt_messages]) + list(traj.generation_prompt)
+        last = k == len(turns) - 1
+        ids = chain_ids(prompt, salt, shared, config.block_tokens)
+        rows.append(TraceRow(t, len(prompt), turn.output_tokens, tuple(ids), session_id,
+                             () if last else turn.tools, parent))
+        t += turn.output_tokens / config.timing.output_tokens_per_s
+        if not last:
+            t += turn.tool_s if turn.tool_s is not None else config.timing.tool_s(rng)
+    return rows
 
 
 def _follow_up_tokens(traj: Trajectory) -> int:
@@ -373,6 +420,7 @@ def summarize(rows: Sequence[TraceRow]) -> dict:
         "input_tokens": sum(row.input_length for row in rows),
         "output_tokens": sum(row.output_length for row in rows),
         "tool_call_turn_fraction": round(sum(1 for r in rows if r.tool_calls) / len(rows), 4) if rows else 0.0,
+        "sub_agent_sessions": len({r.session_id for r in rows if r.parent_session_id is not None}),
         "span_s": round(span, 1),
         "mean_active_sessions": round(busy / span, 1) if span else 0.0,
         "peak_active_sessions": peak,

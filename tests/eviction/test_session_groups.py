@@ -71,6 +71,22 @@ def test_a_sub_agent_in_a_tool_call_keeps_the_shared_prefix_on_its_idle_parents_
             assert retains(cmds, "w1") == [] and p.pinned_blocks("w1", T0 + 2) == 0
 
 
+def test_the_advisors_book_ranks_a_shared_prefix_by_the_member_back_first() -> None:
+    """The lead waits on its sub-agent (a tool call); the sub-agent's answer goes to a person. What they
+    share is needed when the lead is back, which is what the advisor's demotions rank by."""
+    for linked in (True, False):
+        p = planner()
+        lead = chain_in(p.view, "w1", [*SHARED, "lead3"])
+        sub = chain_in(p.view, "w1", [*SHARED, "sub1"])
+        p.on_event(event("lead", lead, TurnOutcome.TOOL_CALLS, T0, hint_s=30.0), T0)
+        p.on_event(event("sub", sub, TurnOutcome.ANSWER, T0 + 1, hint_s=600.0,
+                         parent="lead" if linked else None), T0 + 1)
+        lead_back = p.book.outlook("t\x1flead").next_use()
+        sub_back = p.book.outlook("t\x1fsub").next_use()
+        assert lead_back < sub_back
+        assert p.book.next_use(sub[0], T0 + 1) == (lead_back if linked else sub_back)
+
+
 def test_an_ended_parent_spares_what_its_running_sub_agent_shares() -> None:
     for linked in (True, False):
         p = planner()

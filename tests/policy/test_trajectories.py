@@ -115,6 +115,37 @@ def test_session_turns_extend_each_other_and_keep_their_order(pool) -> None:
 
 
 @needs_trajectories
+def test_a_sub_agent_starts_from_its_parents_context_and_the_parent_waits_for_it(pool, tmp_path: Path) -> None:
+    config = SessionsConfig(sessions=30, rate=0.5, timing=Timing(follow_up=0.0), sub_agents=1.0, sub_agent_turns=3)
+    rows = build_trace(list(pool.values()), config)
+    sessions = dict(iter_sessions(rows))
+    children = {sid: turns for sid, turns in sessions.items() if turns[0].parent_session_id is not None}
+    assert len(children) >= 20  # nearly every session has a tool call to fork at
+    for sid, turns in children.items():
+        parent = sessions[turns[0].parent_session_id]
+        assert sid == f"{turns[0].parent_session_id}.sub" and all(r.parent_session_id == parent[0].session_id
+                                                                  for r in turns)
+        [fork] = [r for r in parent if r.tool_calls == ("task",)]
+        back = parent[parent.index(fork) + 1]
+        shared = (fork.input_length - 8) // TRACE_BLOCK_TOKENS  # the generation prompt is a few tokens
+        assert turns[0].hash_ids[:shared] == fork.hash_ids[:shared]  # the parent's context, same ids
+        assert fork.time_s < turns[0].time_s and turns[-1].time_s < back.time_s  # the parent waits on it
+        assert len(turns) <= 3 and turns[-1].tool_calls == () and all(r.tool_calls for r in turns[:-1])
+    path = tmp_path / "forks.jsonl"
+    write_trace(rows, path)
+    loaded = load_trace(path)
+    assert {r.parent_session_id for r in loaded.requests} - {None} == {t[0].parent_session_id for t in children.values()}
+    write_trace(rows, path, session_ids=False)  # a client that names no session names no parent either
+    assert all(r.parent_session_id is None and r.session_id is None for r in load_trace(path).requests)
+    plain = build_trace(list(pool.values()), dataclasses.replace(config, sub_agents=0.0))
+    assert all(r.parent_session_id is None and r.tool_calls != ("task",) for r in plain)
+    for sid, turns in iter_sessions(plain):  # up to its fork, a session is what it would be without one
+        forked = sessions[sid]
+        upto = next((i + 1 for i, r in enumerate(forked) if r.tool_calls == ("task",)), len(forked))
+        assert [(r.time_s, r.hash_ids) for r in forked[:upto]] == [(r.time_s, r.hash_ids) for r in turns[:upto]]
+
+
+@needs_trajectories
 def test_copies_of_a_trajectory_share_only_the_system_prompt(pool) -> None:
     one = [pool["ctf_crypto_eps"]]
     system_blocks = len([t for p in one[0].pieces[:1] for t in p]) // TRACE_BLOCK_TOKENS

@@ -94,3 +94,31 @@ async def test_a_started_event_tells_the_book_whether_the_client_named_the_sessi
             True, False)
     finally:
         loop.stop()
+
+
+async def test_a_sub_agents_events_link_it_to_its_parent_in_the_workers_book(tiny_loaded) -> None:
+    """A child that names its parent: the prefix they share ranks by the parent's return (a tool call that
+    waits on the child), not by the child's answer, which a person reads much later."""
+    engine = Engine(tiny_loaded, EngineSettings(block_size=BS, num_blocks=64, eviction_policy="default"))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        feed = SessionFeed(loop, engine.cache.policy)
+        feed.turn_started("parent", TOOL, b"")
+        await feed._on_event(SimpleNamespace(data=ended("parent", TurnOutcome.TOOL_CALLS, 2.0).to_bytes()))
+        for outcome in (TurnOutcome.STARTED, TurnOutcome.ANSWER):
+            if outcome is TurnOutcome.ANSWER:
+                feed.turn_started("child", TOOL + IDLE[: 2 * BS], b"")
+            ev = SessionEvent(tenant="t", session_id="child", request_id="r-child", outcome=outcome,
+                              at=time.time(), named=True, parent_session_id="parent",
+                              expected_return_ms=3_600_000 if outcome is TurnOutcome.ANSWER else None)
+            await feed._on_event(SimpleNamespace(data=ev.to_bytes()))
+        book = engine.cache.policy.book
+
+        def ranks(e) -> tuple[float, float, float]:
+            shared, own = e.block_hashes(TOOL, b"")[0], e.block_hashes(TOOL + IDLE[: 2 * BS], b"")[-1]
+            return book.next_use(shared, 0.0), book.next_use(own, 0.0), book.outlook("parent").next_use()
+        shared, own, parent_back = await loop.call(ranks)
+        assert shared == parent_back < own
+    finally:
+        loop.stop()
