@@ -77,6 +77,7 @@ class AgentsBenchConfig:
     l2_blocks: int = 1024
     l3: bool = False  # without S3 an evicted context is recomputed: what retention saves shows in TTFT
     seed: int = 0
+    tool_median_s: float = 1.5  # the tool runs between calls: log-normal, capped at 4x the median
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +184,11 @@ def run_agents_bench(cfg: AgentsBenchConfig) -> dict:
 
     say = Console(stderr=True)
     w = build_agent_workload(REPO_ROOT, cfg.sessions, seed=cfg.seed, arrival_rate=cfg.arrival_rate,
-                             max_steps=cfg.max_steps)
+                             max_steps=cfg.max_steps, tool_median_s=cfg.tool_median_s,
+                             tool_cap_s=4 * cfg.tool_median_s)
     result: dict = {"sessions": len(w.sessions), "requests": w.requests, "l1_blocks": cfg.l1_blocks,
                     "l2_blocks": cfg.l2_blocks, "l3": cfg.l3, "max_tokens": cfg.max_tokens,
-                    "arrival_rate": cfg.arrival_rate}
+                    "arrival_rate": cfg.arrival_rate, "tool_median_s": cfg.tool_median_s}
     outputs: dict[str, dict[tuple[str, int], str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-agents-") as tmp:
         model_dir = write_preset(Path(tmp) / AGENT_PRESET, AGENT_PRESET, "llama", seed=0)

@@ -57,7 +57,7 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 def auth_nats_server(tmp_path_factory: pytest.TempPathFactory):
     """A NATS server with users, as `kvmesh up` starts it: (server, credentials).
 
-    Per-id users ingress-0, prefill-0, prefill-1, decode-0, cache_index-0, eviction-0 and admin
+    Per-id users ingress-0, prefill-0, prefill-1, decode-0, cache_index-0, eviction-0, vllm-0 and admin
     (shared/credentials/nats.py), plus per-role users `prefill` and `decode` (any id of
     their role: the fallback where ids are unknown). Credentials hold all of them.
     """
@@ -69,7 +69,8 @@ def auth_nats_server(tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("nats-auth")
     wanted = {"ingress-0": "ingress", "prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode",
-              "cache_index-0": "cache-index", "eviction-0": "eviction", "prefill": "prefill", "decode": "decode"}
+              "cache_index-0": "cache-index", "eviction-0": "eviction", "vllm-0": "vllm", "prefill": "prefill",
+              "decode": "decode"}
     creds = load_or_create_nats_credentials(root, wanted)
     auth = creds.server_auth()
     per_role = {"prefill", "decode"}  # these two get the per-role permissions (worker_id None)

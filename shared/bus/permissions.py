@@ -15,6 +15,9 @@ and streams.py; the properties the tests hold it to:
   threshold);
 - only workers (prefill, decode) make peer-fetch requests, and only a worker
   serves (subscribes to) its own peer-fetch subject;
+- a vLLM instance with kvmesh's connector (`vllm`) publishes its own KV
+  events and heartbeat and answers the index's dumps of them, and nothing
+  else: it takes no jobs, handoffs or commands and serves no peer fetch;
 - only prefill sends pulls (`kvmesh.pull.<decode id>`: fetch a prompt it is
   streaming), and a decode worker reads only its own;
 - each process receives replies on its own inbox prefix
@@ -36,9 +39,9 @@ from dataclasses import dataclass
 
 from kvmesh.protocol import streams, subjects
 
-INGRESS, PREFILL, DECODE, CACHE_INDEX, EVICTION, ADMIN = (
-    "ingress", "prefill", "decode", "cache-index", "eviction", "admin")
-ROLES: tuple[str, ...] = (INGRESS, PREFILL, DECODE, CACHE_INDEX, EVICTION, ADMIN)
+INGRESS, PREFILL, DECODE, CACHE_INDEX, EVICTION, VLLM, ADMIN = (
+    "ingress", "prefill", "decode", "cache-index", "eviction", "vllm", "admin")
+ROLES: tuple[str, ...] = (INGRESS, PREFILL, DECODE, CACHE_INDEX, EVICTION, VLLM, ADMIN)
 WORKER_ROLES: tuple[str, ...] = (PREFILL, DECODE)
 
 ANY_ID = "*"  # the own-id token of a per-role user
@@ -161,6 +164,10 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
                    f"{API}.DIRECT.GET.{obj}", f"{API}.DIRECT.GET.{obj}.>", *_follow(obj),
                    f"$O.{subjects.INDEX_SNAPSHOT_BUCKET}.>"),
               sub=(subjects.INDEX_LOOKUP, subjects.INDEX_SNAPSHOT))
+    elif role == VLLM:  # shared/connectors/vllm/fleet.py: its KV events, answering the index's dumps of them
+        g.add(pub=(subjects.kv_events(own) if own != ANY_ID else f"{subjects.ROOT}.kv.events.*",
+                   f"_INBOX.{CACHE_INDEX}.>"),
+              sub=(f"{subjects.ROOT}.kv.dump.{own}",))
     elif role == EVICTION:
         # it also publishes KV events under its own id (L3 deletions) and answers the index's dumps of them
         g.add(pub=(subjects.COMMANDS_ALL, *_follow(streams.KV_EVENTS.name), *_follow(streams.SESSIONS.name),

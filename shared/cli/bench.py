@@ -100,12 +100,15 @@ def agents(
     arrival_rate: Annotated[float, typer.Option(min=0.01, help="Sessions starting per second (Poisson).")] = 1.0,
     l3: Annotated[bool, typer.Option(help="Workers with the S3 tier (off: an evicted context is recomputed).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and tool latencies.")] = 0,
+    tool_median_s: Annotated[float, typer.Option(
+        min=0.0, help="Median tool run between calls (log-normal, capped at 4x): longer runs keep more sessions "
+                      "active at once at the same compute rate.")] = 1.5,
 ) -> None:
     """Agent sessions (SWE-agent tool loops) on a small L1: the shipped default vs retention off vs LRU."""
     from kvmesh.bench.agents import AgentsBenchConfig, run_agents_bench
 
     cfg = AgentsBenchConfig(sessions=sessions, max_steps=max_steps, l1_blocks=l1_blocks, l2_blocks=l2_blocks,
-                            arrival_rate=arrival_rate, l3=l3, seed=seed)
+                            arrival_rate=arrival_rate, l3=l3, seed=seed, tool_median_s=tool_median_s)
     typer.echo(json.dumps(run_agents_bench(cfg), indent=None if json_out else 2))
 
 

@@ -29,8 +29,9 @@ class NatsCredentials:
     system_password: str
 
     def server_auth(self) -> NatsAuth:
-        """The users as nats-server admits them: a service user's permissions name its own id."""
-        users = tuple(NatsUser(name, password, permissions(role, None if role == ADMIN else name))
+        """The users as nats-server admits them: a service user's permissions name its own id; a user named
+        after its role (`vllm`: instances the stack does not start) is the per-role user, any id of it."""
+        users = tuple(NatsUser(name, password, permissions(role, None if name == role else name))
                       for name, (role, password) in sorted(self.users.items()))
         return NatsAuth(users=users, system_password=self.system_password)
 

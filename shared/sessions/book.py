@@ -263,8 +263,8 @@ class SessionBook:
                 self._changed.add(h)
 
     def _hand_over(self, h: bytes, b: _Block, session_id: str) -> None:
-        """`session_id` sends `b`, which another session owns: it is the owner now. The previous owner
-        (and its keepers) keep it if they are in its group, and let it go otherwise."""
+        """`session_id` sends `b`, which another session owns: it is the owner now. The earlier holders
+        in the new owner's group keep it; the others let it go."""
         earlier = [k for k in (b.session, *b.keepers) if k != session_id and k != _NOBODY]
         root = self._root(session_id)
         keep = [k for k in earlier if self._root(k) == root]

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvmesh.bus.client_auth import ClientAuth
+from kvmesh.bus.permissions import VLLM
 from kvmesh.config import Settings
 from kvmesh.credentials.nats import (
     NatsCredentials,
@@ -72,6 +73,7 @@ def stack_nats_users(settings: Settings, state_dir: Path, specs: Sequence[Servic
     if settings.nats_url is not None or not settings.nats.auth:
         return None
     wanted = {f"{s.name}-{i}": service_role(s.name) for s in specs for i in range(s.replicas)}
+    wanted[VLLM] = VLLM  # vLLM instances with kvmesh's connector join as this per-role user (docs/vllm-connector.md)
     return load_or_create_nats_credentials(state_dir, wanted)
 
 

@@ -112,6 +112,10 @@ WRONG_PUBLISHES = [
     ("decode-0", subjects.commands("prefill-0")),  # commands come from eviction
     ("ingress-0", "_INBOX.decode.decode-0.x"),  # no fake replies into a worker's inbox
     ("prefill", subjects.jobs_prefill()),  # the per-role user is no wider in kind
+    ("vllm-0", subjects.kv_events("prefill-0")),  # a vLLM instance: its own KV events only
+    ("vllm-0", subjects.commands("vllm-0")),  # ... no commands, jobs or peer fetches
+    ("vllm-0", subjects.jobs_prefill()),
+    ("vllm-0", peer_fetch_subject("prefill-0")),
 ]
 
 
@@ -131,6 +135,8 @@ WRONG_SUBSCRIBES = [
     ("prefill-0", subjects.abort("prefill-1")),
     ("prefill-0", subjects.TOKENS_ALL),  # token streams are the ingress's to read
     ("eviction-0", subjects.kv_dump("prefill-0")),
+    ("vllm-0", subjects.kv_dump("prefill-0")),
+    ("vllm-0", subjects.SESSION_EVENTS),
 ]
 
 
@@ -214,6 +220,23 @@ async def test_peer_fetch_between_workers_on_the_lean_wire(auth_nats_server) -> 
         await close(reader_nc)
 
 
+async def test_a_vllm_instance_reports_its_blocks_and_answers_dumps_of_them(bus) -> None:
+    """The connector's fleet link (shared/connectors/vllm/fleet.py) as the `vllm` user: its heartbeat, its
+    KV events, and the cache index's dump request answered."""
+    vllm, index = await bus("vllm-0"), await bus("cache_index-0")
+    js = vllm.nc.jetstream()
+    assert (await js.publish(subjects.kv_events("vllm-0"), b"events")).stream == "KV_EVENTS"
+    assert (await js.publish(subjects.heartbeat_key("vllm-0"), b"beat")).stream == "KV_workers"
+
+    async def dump(msg) -> None:
+        await vllm.nc.publish(msg.reply, b"state")
+    await vllm.nc.subscribe(subjects.kv_dump("vllm-0"), cb=dump)
+    await vllm.nc.flush()
+    assert (await index.nc.request(subjects.kv_dump("vllm-0"), b"dump", timeout=WAIT_S)).data == b"state"
+    for c in (vllm, index):
+        assert c.errors.empty(), c.errors.get_nowait()
+
+
 async def test_the_per_role_user_takes_any_id(bus) -> None:
     """The fallback's limit, pinned down: any id at all (a wildcard cannot say "prefill ids"), yet only its kind."""
     c = await bus("prefill", inbox_id="prefill-7")
@@ -234,3 +257,16 @@ def test_permission_table_properties() -> None:
     p = permissions("decode", "decode-3")
     assert "kvmesh.kv.events.decode-3" in p.publish and "$KV.workers.decode-3" in p.publish
     assert not any(s.endswith((".>", ".*")) for s in p.publish if s.startswith(("kvmesh.kv.events", "$KV.workers")))
+
+
+def test_the_local_stacks_vllm_user_takes_any_instance_id(tmp_path) -> None:
+    """`kvmesh up` adds a per-role `vllm` user for the vLLM instances it does not start: any id, its kind only."""
+    from kvmesh.config import Settings
+    from kvmesh.stack.launch import stack_nats_users
+
+    creds = stack_nats_users(Settings(), tmp_path, [])
+    assert creds is not None and creds.users["vllm"][0] == "vllm"
+    [user] = [u for u in creds.server_auth().users if u.name == "vllm"]
+    assert user.permissions == permissions("vllm")  # the per-role user (worker id None)
+    assert "kvmesh.kv.events.*" in user.permissions.publish and not any(
+        s.startswith(("kvmesh.jobs", "kvmesh.cmd", "kvmesh.peer")) for s in user.permissions.publish)

@@ -60,7 +60,7 @@ def test_the_stack_with_nats_users_serves_and_hits_the_cache(stack: StackDir, ti
     assert state is not None
     try:
         users = json.loads((stack.state_dir / NATS_CREDENTIALS_FILE).read_text())["users"]
-        assert set(users) == SERVICES | {"admin"}
+        assert set(users) == SERVICES | {"admin", "vllm"}  # vllm: for vLLM instances with the connector
         assert _private(stack.state_dir / NATS_CREDENTIALS_FILE) and _private(stack.state_dir / "nats" / "nats.conf")
         for rec in state.processes:
             if rec.kind == "service":  # each replica connects as the user named after its worker id

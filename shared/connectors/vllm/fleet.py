@@ -10,8 +10,9 @@ not reported.
 
 Everything here runs on the connector's own event loop thread
 (store.py); the worker thread hands it events through `post`. With NATS
-users, give the connector a prefill worker's credentials (`KVMESH_NATS_USER`
-and `KVMESH_NATS_PASSWORD`): its inbox is a prefill worker's.
+users, the connector connects as the `vllm` user (`KVMESH_NATS_USER=vllm`
+and its `KVMESH_NATS_PASSWORD`; shared/bus/permissions.py): its own KV
+events and heartbeat, and the index's dumps of them, nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from kvmesh.bus.client_auth import ClientAuth
 from kvmesh.bus.connection import close, connect
-from kvmesh.bus.permissions import PREFILL, inbox_prefix
+from kvmesh.bus.permissions import VLLM, inbox_prefix
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import Settings
 from kvmesh.kv_events.publisher import KVEventPublisher
@@ -37,17 +38,21 @@ from nats.aio.client import Client as NATS
 class FleetLink:
     nc: NATS
     events: KVEventPublisher
-    heartbeat: HeartbeatLoop
-    _beating: asyncio.Task[None]
+    heartbeat: HeartbeatLoop | None  # None: the kvmesh worker it serves in heartbeats
+    _beating: asyncio.Task[None] | None
 
     @classmethod
-    async def join(cls, settings: Settings, worker_id: str, load: Callable[[], float]) -> FleetLink:
-        auth = ClientAuth.from_settings(settings, inbox_prefix(PREFILL, worker_id))
+    async def join(cls, settings: Settings, worker_id: str, load: Callable[[], float], role: str = VLLM) -> FleetLink:
+        """`role`: `vllm` for a vLLM server of its own; a kvmesh worker role (`prefill`) for the vLLM engine
+        inside that kvmesh worker (shared/connectors/vllm/serving.py), which heartbeats under the same id."""
+        auth = ClientAuth.from_settings(settings, inbox_prefix(role, worker_id))
         nc = await connect(settings.nats_url or "", f"vllm-connector:{worker_id}", settings.bus, auth)
         js = nc.jetstream()
         metrics = ServiceMetrics.create("vllm-connector")
         events = KVEventPublisher(Publisher(js, settings.bus, metrics), worker_id, settings.index)
         await events.start(nc)
+        if role != VLLM:
+            return cls(nc, events, None, None)
         s = settings.service
         heartbeat = HeartbeatLoop(js, worker_id, Role.VLLM, "", s.heartbeat_interval_s, s.heartbeat_ttl_s, metrics,
                                   load=load, kv_position=events.position)
@@ -67,8 +72,10 @@ class FleetLink:
         """Publish what is pending, withdraw the heartbeat (the index drops this worker's L2 at once)."""
         await self.events.stop()
         try:
-            await self.heartbeat.withdraw()
+            if self.heartbeat is not None:
+                await self.heartbeat.withdraw()
         finally:
-            self._beating.cancel()
-            await asyncio.gather(self._beating, return_exceptions=True)
+            if self._beating is not None:
+                self._beating.cancel()
+                await asyncio.gather(self._beating, return_exceptions=True)
             await close(self.nc)
