@@ -60,6 +60,9 @@ class ConstraintSettings(BaseModel):
 
 
 class EngineSettings(BaseModel):
+    # What computes a prefill worker's tokens: kvmesh's own engine, or vLLM in process with kvmesh's
+    # connector as its KV layer (shared/connectors/vllm/serving.py; needs vLLM importable)
+    backend: Literal["kvmesh", "vllm"] = "kvmesh"
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 64
@@ -263,7 +266,7 @@ class IngressSettings(BaseModel):
     load_bound: float = 1.5  # bounded load: no worker above load_bound x the average in-flight (+1) per worker
     # where a request decodes (shared/ingress/routing/placement.py): "split" always hands off to a decode worker;
     # "priced" decodes on the prefill worker unless the handoff pays (`kvmesh up` runs "priced": one box)
-    decode_placement: Literal["split", "priced"] = "split"
+    decode_placement: Literal["split", "priced", "local"] = "split"  # ingress/routing/placement.py
     handoff_s_per_block: float = 5e-3  # prior: a block's KV moved from the prefill into the decode worker's pool
     decode_s_per_token: float = 0.02  # prior: one decode step's share of a batch, as a queued prefill feels it
     # the tool-call syntax parsed from (and forced on) outputs: "auto" (from the chat template) or a name in

@@ -1,7 +1,14 @@
-"""The prefill service: `python -m kvmesh.services.prefill` (logic in shared/serving)."""
+"""The prefill service: `python -m kvmesh.services.prefill` (logic in shared/serving; with
+`KVMESH_ENGINE__BACKEND=vllm`, vLLM's engine: shared/connectors/vllm/serving.py)."""
 
+from kvmesh.config import load_settings
 from kvmesh.protocol.messages import Role
 from kvmesh.service.runner import run_service
 from kvmesh.serving.services import setup_prefill
 
-raise SystemExit(run_service("prefill", Role.PREFILL, setup_prefill))
+settings = load_settings()
+if settings.engine.backend == "vllm":
+    from kvmesh.connectors.vllm.serving import setup_vllm_prefill as setup
+else:
+    setup = setup_prefill
+raise SystemExit(run_service("prefill", Role.PREFILL, setup, settings))

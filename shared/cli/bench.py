@@ -306,6 +306,11 @@ def peer(
     batches: Annotated[str, typer.Option(help="(d) concurrent streams per decode run, comma-separated.")] = "1,8,32",
     threads: Annotated[int, typer.Option(min=1, help="vLLM's torch threads (OMP_NUM_THREADS).")] = 2,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    fleet: Annotated[bool, typer.Option(help="Instead: two vLLM servers behind round-robin against two vLLM workers "
+                                             "under kvmesh (kvmesh up --engine vllm --prefill 2): agent sessions, a "
+                                             "restart, their returning calls (docs/vllm.md). --peer-python's venv "
+                                             "needs kvmesh too.")] = False,
+    kv_cache_gib: Annotated[int, typer.Option(min=1, help="(--fleet) each instance's KV pool.")] = 1,
 ) -> None:
     """kvmesh against vLLM: same box, same checkpoint, same requests, one after the other (docs/peer.md)."""
     from kvmesh.bench.peer import HOW_TO_PEER, PeerConfig, peer_version, run_peer_bench
@@ -318,6 +323,14 @@ def peer(
         from kvmesh.stack.model import default_model_dir
 
         model = default_model_dir(out)
+    if fleet:
+        from kvmesh.bench.peer_fleet import run_fleet_bench
+
+        cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
+                         calls=calls, threads=threads, kv_cache_gib=kv_cache_gib, seed=seed)
+        result = run_fleet_bench(cfg, lambda line: typer.echo(f"[peer-fleet] {line}", err=True))
+        typer.echo(json.dumps(result, indent=None if json_out else 2))
+        return
     cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
                      calls=calls, chat_users=chat_users, chat_turns=chat_turns, chat_qps=chat_qps,
                      long_tokens=long_tokens, decode_tokens=decode_tokens,

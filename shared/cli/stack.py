@@ -69,6 +69,9 @@ def up(
     nats_cluster: Annotated[int | None, typer.Option(
         help="NATS nodes: 1, or an odd number >= 3 routed to each other (streams R3). "
              "Default: settings nats.cluster_nodes.")] = None,
+    engine: Annotated[str | None, typer.Option(
+        help="What computes tokens: kvmesh (its own engine) or vllm (vLLM in each prefill worker, kvmesh's "
+             "connector as its KV layer; needs vLLM installed here). Default: settings engine.backend.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Readiness deadline in seconds.")] = None,
     state_dir: StateDir = None,
 ) -> None:
@@ -86,6 +89,10 @@ def up(
     settings = _settings("up")
     if timeout is not None:
         settings.stack.ready_timeout_s = timeout
+    if engine is not None:
+        if engine not in ("kvmesh", "vllm"):
+            raise _fail("up", ExitCode.USAGE, f"--engine is kvmesh or vllm, not {engine!r}")
+        settings.engine.backend = engine
     opts = UpOptions(
         state_dir=state_dir or settings.state_dir,
         detach=detach,

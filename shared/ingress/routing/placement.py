@@ -17,7 +17,10 @@ behind it. `decode_placement` (IngressSettings):
   prefill worker), when the decode worker is busier than the prefill
   worker, when there is no live decode worker, or when both share a host:
   then the decode worker computes on the same cores, so a handoff frees
-  nothing and only moves bytes (`kvmesh up`, one box, runs "priced").
+  nothing and only moves bytes (`kvmesh up`, one box, runs "priced");
+- "local": always decode on the prefill worker (a fleet of vLLM workers,
+  `engine.backend = "vllm"`: they decode their own requests and no decode
+  worker runs vLLM's engine).
 
 Migration is unchanged: a request decoding on its prefill worker that goes
 silent moves to a decode worker like any other.
@@ -32,7 +35,7 @@ from urllib.parse import urlsplit
 from kvmesh.config import IngressSettings
 from kvmesh.ingress.routing.workers import WorkerView
 
-DecodePlacement = Literal["split", "priced"]
+DecodePlacement = Literal["split", "priced", "local"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ def decode_here(costs: PlacementCosts, prefill: WorkerView | None, decode: Worke
     """Whether the request should decode on its prefill worker (see the module docstring for the rule)."""
     if costs.mode == "split" or prefill is None:
         return False
+    if costs.mode == "local":
+        return True
     if decode is None or host_of(prefill) == host_of(decode):
         return True
     if decode.score() > prefill.score():

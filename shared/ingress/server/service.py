@@ -33,6 +33,7 @@ from kvmesh.ingress.sessions.tracker import ChainHasher, SessionTracker
 from kvmesh.ingress.sessions.traffic import TrafficRecorder
 from kvmesh.ingress.supervision.gateway import Gateway
 from kvmesh.log import get_logger
+from kvmesh.protocol.vllm_identity import model_fingerprint as vllm_fingerprint
 from kvmesh.service.runner import ServiceContext
 from kvmesh.toolcalls.formats import select
 
@@ -77,11 +78,13 @@ def build_state(settings: Settings, gateway: Gateway, tokenizer: Tokenizer, metr
 
 
 async def _prefix_locator(ctx: ServiceContext, model_dir: Path) -> PrefixLocator | None:
-    """Cache-aware routing needs the weights' fingerprint; without readable weights the ingress routes by load."""
+    """Cache-aware routing needs the weights' fingerprint (the one the workers' engine names its blocks with);
+    without readable weights the ingress routes by load."""
     s = ctx.settings
+    fingerprint_of = vllm_fingerprint if s.engine.backend == "vllm" else model_fingerprint
     try:
-        fingerprint = await asyncio.to_thread(model_fingerprint, model_dir, s.engine.dtype)
-    except CheckpointError as exc:
+        fingerprint = await asyncio.to_thread(fingerprint_of, model_dir, s.engine.dtype)
+    except (CheckpointError, ValueError) as exc:
         log.warning("no model fingerprint: prefill is routed by load only", error=str(exc))
         return None
     return PrefixLocator.create(ctx.nc, fingerprint, s.engine.block_size, s.ingress.index_timeout_s,
