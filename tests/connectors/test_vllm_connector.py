@@ -26,7 +26,6 @@ from bus.helpers import connected, eventually
 from kvmesh.bus.request import request
 from kvmesh.cache_index.messages import LookupReply, LookupRequest
 from kvmesh.config import EngineSettings
-from kvmesh.protocol.vllm_identity import chain_hashes, model_fingerprint
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling import SamplingParams
@@ -35,6 +34,7 @@ from kvmesh.net import free_port
 from kvmesh.protocol import subjects
 from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import KV_EVENTS
+from kvmesh.protocol.vllm_identity import chain_hashes, model_fingerprint
 from kvmesh.stack.model import default_model_dir
 from kvmesh.tiers.block_format import decode_block
 from kvmesh.tiers.chunk_format import decode_toc

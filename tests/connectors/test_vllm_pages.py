@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvmesh.protocol.vllm_identity import chain_hashes, model_fingerprint, tenant_salt_hex
 from kvmesh.kvconvert.errors import IncompatibleKV
 from kvmesh.kvconvert.vllm_cpu import blocks_to_pages, check_packing, pages_to_blocks
 from kvmesh.protocol.block_hash import HashKeys, hash_blocks
+from kvmesh.protocol.vllm_identity import chain_hashes, model_fingerprint, tenant_salt_hex
 
 
 def test_a_page_holds_k_transposed_then_v_row_major() -> None:

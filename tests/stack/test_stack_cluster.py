@@ -55,22 +55,23 @@ async def kept_messages(state: StackState, timeout_s: float = 30.0) -> list[byte
 
 
 async def heartbeats(state: StackState, want: str, timeout_s: float = 30.0) -> set[str]:
-    """The `workers` bucket's keys once `want` is among them (or the deadline passed): an R3 bucket's
-    direct reads may come from a replica that has not applied the newest heartbeat yet."""
+    """The `workers` bucket's keys once `want` is among them (or the deadline passed). Watched, not read
+    directly: an R3 bucket's direct reads may come from a replica that has not applied the newest heartbeat."""
     nc = await nats.connect(**admin_nats(state))
-    kv = await nc.jetstream().key_value("workers")
+    watcher = await (await nc.jetstream().key_value("workers")).watchall()
+    keys: set[str] = set()
     deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            try:
-                keys = set(await kv.keys())
-            except nats.js.errors.NoKeysError:
-                keys = set()
-            if want in keys or time.monotonic() > deadline:
-                return keys
-            await asyncio.sleep(0.2)
+        while want not in keys:
+            entry = await watcher.updates(timeout=max(deadline - time.monotonic(), 0.01))
+            if entry is not None:
+                (keys.add if entry.operation is None else keys.discard)(entry.key)
+    except nats.errors.TimeoutError:
+        pass
     finally:
+        await watcher.stop()
         await nc.close()
+    return keys
 
 
 def told_nats_url(pid: int) -> str:

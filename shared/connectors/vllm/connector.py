@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from kvmesh.config import load_settings
-from kvmesh.protocol.vllm_identity import model_fingerprint
 from kvmesh.connectors.vllm.plan import StepPlan
 from kvmesh.connectors.vllm.scheduler_side import SchedulerSide
 from kvmesh.connectors.vllm.store import StoreView, WorkerStore
@@ -41,6 +40,7 @@ from kvmesh.connectors.vllm.worker_side import WorkerSide
 from kvmesh.kvconvert.vllm_cpu import check_packing
 from kvmesh.log import get_logger
 from kvmesh.protocol.messages import Role
+from kvmesh.protocol.vllm_identity import model_fingerprint
 from kvmesh.tiers.block_format import DTYPES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 

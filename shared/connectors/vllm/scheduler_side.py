@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.protocol.vllm_identity import chain_hashes, tenant_salt_hex
 from kvmesh.connectors.vllm.plan import LoadPlan, SavePlan, StepPlan
 from kvmesh.connectors.vllm.store import Reach, StoreView
 from kvmesh.log import get_logger
+from kvmesh.protocol.vllm_identity import chain_hashes, tenant_salt_hex
 
 log = get_logger(__name__)
 
