@@ -70,8 +70,9 @@ def up(
         help="NATS nodes: 1, or an odd number >= 3 routed to each other (streams R3). "
              "Default: settings nats.cluster_nodes.")] = None,
     engine: Annotated[str | None, typer.Option(
-        help="What computes tokens: kvmesh (its own engine) or vllm (vLLM in each prefill worker, kvmesh's "
-             "connector as its KV layer; needs vLLM installed here). Default: settings engine.backend.")] = None,
+        help="What computes tokens: kvmesh (its own engine) or vllm (vLLM in each prefill and decode worker, "
+             "kvmesh's connector as its KV layer; needs vLLM installed here). "
+             "Default: settings engine.backend.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Readiness deadline in seconds.")] = None,
     state_dir: StateDir = None,
 ) -> None:

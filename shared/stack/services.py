@@ -91,8 +91,7 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
     if ctx.model_dir is not None:
         env["KVMESH_MODEL_DIR"] = str(ctx.model_dir)
     env["KVMESH_ENGINE__BACKEND"] = ctx.engine_backend  # the workers run it, the ingress names its blocks by it
-    if ctx.engine_backend == "vllm":  # vLLM workers decode what they prefill (there are no decode workers)
-        env["KVMESH_INGRESS__DECODE_PLACEMENT"] = "local"
+    if ctx.engine_backend == "vllm":
         # vLLM's CPU attention packs 32-token pages the way kvmesh converts ("vec"); at 16 it uses "vec16"
         env.setdefault("KVMESH_ENGINE__BLOCK_SIZE", "32")
     # One box: every worker computes on the same cores, so a handoff frees nothing (routing/placement.py).

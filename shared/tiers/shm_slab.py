@@ -252,6 +252,16 @@ class SlabReader:
         mapped, (offset, length) = found
         return _copy_out(mapped.mm, mapped.data_off + offset, length)
 
+    def stat(self, worker_id: str, key: bytes, trailer_bytes: int) -> tuple[int, bytes] | None:
+        """The block's stored length and its last `trailer_bytes` at most (an encoded block's checksum), without
+        copying the block; None when the owner has no such block here."""
+        found = self._locate(worker_id, key)
+        if found is None:
+            return None
+        mapped, (offset, length) = found
+        end = mapped.data_off + offset + length
+        return length, bytes(mapped.mm[end - min(trailer_bytes, length):end])
+
     def holds(self, worker_id: str, key: bytes) -> bool:
         """The owner's directory names the block now (a later read may still miss: the owner evicts freely)."""
         return self._locate(worker_id, key) is not None

@@ -1,17 +1,20 @@
-"""`kvmesh up --engine vllm`: the local stack with vLLM as its prefill workers' engine (shared/connectors/vllm/serving.py).
+"""`kvmesh up --engine vllm`: the local stack with vLLM as its workers' engine (shared/connectors/vllm/serving.py).
 
 The real CLI, run with the vLLM venv's python (which runs every service), the real default model, NATS with
 users, the S3 server, and the official OpenAI SDK against the ingress: a repeated prompt hits, a stopped and
 restarted stack (vLLM's pool and prefix cache empty) restores the prompt from kvmesh's tiers, and the
-worker's KV events named the blocks vLLM computed, under the worker's own id.
+worker's KV events named the blocks vLLM computed, under the worker's own id. Restarted with a vLLM decode
+worker and every request handed off, the answer is the same, its KV read from the prefill worker's L2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import nats
@@ -20,16 +23,18 @@ import openai
 import pytest
 from kvmesh.bus.client_auth import connect_kwargs
 from kvmesh.credentials.nats import admin_auth
+from kvmesh.eviction.messages import Retain, WorkerCommand
 from kvmesh.kv_events.events import BlockStored, KVEventBatch
 from kvmesh.net import free_port
 from kvmesh.protocol import subjects
 from kvmesh.protocol.blocks import Tier
 from kvmesh.protocol.streams import KV_EVENTS
 from kvmesh.stack.model import default_model_dir
-from kvmesh.stack.procs import is_ours
+from kvmesh.stack.procs import descendants, is_ours
 from kvmesh.stack.state import load_state
 from openai import OpenAI
 from test_vllm_connector import vllm_python
+from waits import until_sync
 
 KEY = "sk-vllm-fleet"
 SYSTEM = " ".join(f"Rule {i}: answer in one short sentence and never mention the number {i * 7}." for i in range(24))
@@ -59,34 +64,43 @@ class Stack:
             self.pids |= {r.pid for r in state.processes if is_ours(r)}
         return out
 
-    def up(self, model: Path) -> None:
+    def up(self, model: Path, *more: str) -> None:
         nats_port, monitor_port, s3_port = self.ports
         out = self.cli("up", "--detach", "--engine", "vllm", "--model", str(model), "--timeout", "600",
-                       "--nats-port", nats_port, "--nats-monitor-port", monitor_port, "--s3-port", s3_port,
+                       "--nats-port", nats_port, "--nats-monitor-port", monitor_port, "--s3-port", s3_port, *more,
                        timeout=700)
         assert out.returncode == 0, out.stderr[-3000:] + self.logs()
 
     def down(self) -> None:
         assert self.cli("down").returncode == 0
 
-    def logs(self) -> str:
-        log = self.state_dir / "logs" / "prefill-0.log"
+    def logs(self, worker: str = "prefill-0") -> str:
+        log = self.state_dir / "logs" / f"{worker}.log"
         return "\n" + log.read_text()[-4000:] if log.exists() else ""
 
+    def log_lines(self, worker: str, text: str) -> list[str]:
+        return [line for line in (self.state_dir / "logs" / f"{worker}.log").read_text().splitlines() if text in line]
+
+    def log_events(self, worker: str, event: str) -> list[dict]:
+        return [e for line in self.log_lines(worker, event) if line.startswith("{")
+                if (e := json.loads(line)).get("event") == event]
+
     def kill_leftovers(self) -> None:
-        for pid in self.pids:
+        """SIGKILL what it started and what that started: vLLM's workers outlive a killed parent."""
+        for pid in [child for pid in self.pids for child in descendants(pid)] + list(self.pids):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
 
-async def _stored_by(state_dir: Path, worker_id: str) -> dict[Tier, int]:
-    """How many blocks `worker_id` reported stored, by tier, from the KV_EVENTS stream (as the admin user)."""
+async def _stored_by(state_dir: Path, worker_id: str) -> dict[Tier, list[str]]:
+    """The blocks `worker_id` reported stored, by tier, in the order it reported them, from the KV_EVENTS stream
+    (as the admin user)."""
     state = load_state(state_dir)
     assert state is not None
     nc = await nats.connect(**connect_kwargs(state.nats_url, admin_auth(state_dir)))
-    found: dict[Tier, set[str]] = {}
+    found: dict[Tier, dict[str, None]] = {}
     try:
         js = nc.jetstream()
         info = await js.stream_info(KV_EVENTS.name)
@@ -99,21 +113,40 @@ async def _stored_by(state_dir: Path, worker_id: str) -> dict[Tier, int]:
                 continue
             for e in KVEventBatch.from_bytes(msg.data).events:
                 if isinstance(e, BlockStored):
-                    found.setdefault(e.tier, set()).update(e.hashes)
+                    found.setdefault(e.tier, {}).update(dict.fromkeys(e.hashes))
     finally:
         await nc.close()
-    return {tier: len(hashes) for tier, hashes in found.items()}
+    return {tier: list(hashes) for tier, hashes in found.items()}
+
+
+async def _advise(state_dir: Path, worker_id: str, cmd) -> str:
+    """Publish an eviction command to `worker_id`, as the eviction service does (as the admin user); its id."""
+    state = load_state(state_dir)
+    assert state is not None
+    nc = await nats.connect(**connect_kwargs(state.nats_url, admin_auth(state_dir)))
+    try:
+        command = WorkerCommand(worker=worker_id, command_id=f"test-{cmd.kind}-{time.time_ns()}", command=cmd)
+        await nc.jetstream().publish(subjects.commands(worker_id), command.to_bytes(),
+                                     headers={subjects.HDR_MSG_ID: command.command_id})
+    finally:
+        await nc.close()
+    return command.command_id
 
 
 def _ask(port: int, model: Path, question: str, **kw):
+    return _ask_raw(port, model, question, **kw).parse()
+
+
+def _ask_raw(port: int, model: Path, question: str, **kw):
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
-    return client.chat.completions.create(model=model.name, max_tokens=12, temperature=0, messages=[
+    return client.chat.completions.with_raw_response.create(model=model.name, max_tokens=12, temperature=0, messages=[
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **kw)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_kvmesh_up_with_vllm_serves_hits_and_restores_after_a_restart(model_dir: Path, tmp_path: Path) -> None:
+def test_kvmesh_up_with_vllm_serves_hits_restores_after_a_restart_and_hands_off(model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
     port = free_port()
     stack = Stack(tmp_path / "state", port)
     try:
@@ -129,14 +162,38 @@ def test_kvmesh_up_with_vllm_serves_hits_and_restores_after_a_restart(model_dir:
         with pytest.raises(openai.BadRequestError, match="not supported with engine.backend vllm"):
             _ask(port, model_dir, "Is it raining?", response_format={"type": "json_object"})
         stored = asyncio.run(_stored_by(stack.state_dir, "prefill-0"))
-        assert stored.get(Tier.L2, 0) >= (prompt_tokens - 1) // 32, stored  # the index learned vLLM's blocks
+        assert len(stored.get(Tier.L2, [])) >= (prompt_tokens - 1) // 32, stored  # the index learned vLLM's blocks
+        # the eviction service's advice reaches the connector inside vLLM (the service's own session retains
+        # too, in the same log): keep this chain in L2
+        chain = stored[Tier.L2][:(prompt_tokens - 1) // 32]
+        sent = asyncio.run(_advise(stack.state_dir, "prefill-0", Retain(hashes=chain, until=time.time() + 600)))
+        [applied] = until_sync(lambda: [x for x in stack.log_lines("prefill-0", "advice applied") if sent in x],
+                               60, "the advice applied")
+        assert f"retained={len(chain)}" in applied, applied
         stack.down()
 
-        stack.up(model_dir)  # new processes: vLLM's pool and prefix cache start empty
-        restored = _ask(port, model_dir, "Is it raining?")
-        assert restored.choices[0].message.content == text
+        # New processes (vLLM's pool and prefix cache start empty), now with a vLLM decode worker that every
+        # request is handed to: the prefill worker restores the prompt from L3 and computes the first token,
+        # the decode worker's connector loads the prompt's KV out of the prefill worker's L2 slab. (The eviction
+        # service would warm the new workers' L2 from L3 first, and the decode worker would load from its own L2:
+        # no warm-up here, so what is read is the prefill worker's slab.)
+        stack.env["KVMESH_INGRESS__DECODE_PLACEMENT"] = "split"
+        stack.env["KVMESH_EVICTION__WARM_MAX_CHUNKS"] = "0"
+        stack.up(model_dir, "--decode", "1")
+        raw = _ask_raw(port, model_dir, "Is it raining?")
+        restored = raw.parse()
+        assert "prefill=prefill-0;decode=decode-0" in raw.headers["kvmesh-route"]
+        assert restored.choices[0].message.content == text, stack.logs("decode-0")
         assert restored.usage.prompt_tokens_details.cached_tokens >= prompt_tokens // 2, stack.logs()
-        assert asyncio.run(_stored_by(stack.state_dir, "prefill-0")).get(Tier.L3, 0) > 0
+        assert asyncio.run(_stored_by(stack.state_dir, "prefill-0")).get(Tier.L3)
+        [handed] = stack.log_events("prefill-0", "prefilled")
+        assert handed["handles"] == prompt_tokens // 32 and handed["decode_worker"] == "decode-0"
+        [decoded] = stack.log_events("decode-0", "decoded")
+        assert decoded["resumed_from"] == 1 and decoded["peers"] == ["prefill-0"]
+        assert decoded["engine_cached_tokens"] == prompt_tokens // 32 * 32, stack.logs("decode-0")
+        # the connector logs from vLLM's engine process, in structlog's console format
+        loads = stack.log_lines("decode-0", "kv loaded")
+        assert len(loads) == 1 and f"tiers={{'PEER': {prompt_tokens // 32}}}" in loads[0], loads
         stack.down()
     finally:
         stack.kill_leftovers()

@@ -7,13 +7,14 @@ import uuid
 
 import pytest
 import torch
-from kvmesh.config import Settings, TierSettings
+from kvmesh.connectors.vllm.request_peers import PEERS_PARAM, request_peers
 from kvmesh.connectors.vllm.store import StoreView, WorkerStore
 from kvmesh.engine.kv_block import KVBlock
+from kvmesh.protocol.blocks import Tier
 from kvmesh.tiers.namespace import namespace_for
 
 FP = "fp-connector-test"
-BLOCK = 4
+BLOCK = 4  # tokens per block (conftest.py chunks L3 by two)
 SHAPE = (2, 2, BLOCK, 2, 8)  # layers, K/V, block size, kv heads, head dim
 
 
@@ -29,14 +30,6 @@ def chain(n: int, seed: int) -> list[KVBlock]:
 
 
 @pytest.fixture
-def settings(s3_server) -> Settings:
-    return Settings(s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
-                    s3_secret_key=s3_server.secret_key, s3={"bucket": f"conn-{uuid.uuid4().hex[:10]}"},
-                    tiers=TierSettings(l2_shared_memory=True, l2_prefault_bytes=0, l3_chunk_tokens=2 * BLOCK,
-                                       l3_tail_delay_s=0, l2_capacity_bytes=1 << 24))
-
-
-@pytest.fixture
 def store(settings) -> WorkerStore:
     s = WorkerStore(settings, f"vllm-test-{uuid.uuid4().hex[:8]}", FP, BLOCK, block_bytes=4096)
     yield s
@@ -47,7 +40,7 @@ def test_kept_blocks_are_fetched_back_and_seen_by_the_scheduler_view(store, sett
     blocks = chain(5, seed=1)
     hashes = [b.block_hash for b in blocks]
     assert store.keep("", hashes, {b.block_hash: b for b in blocks}) == 5
-    got = store.fetch("", hashes, 2)
+    got, _ = store.fetch("", hashes, 2)
     assert [b.header.block_hash for b in got] == hashes[2:]
     assert all(torch.equal(g.data, b.data) for g, b in zip(got, blocks[2:], strict=True))
     view = StoreView(settings, store.l2.worker_id, FP, BLOCK)
@@ -58,7 +51,7 @@ def test_kept_blocks_are_fetched_back_and_seen_by_the_scheduler_view(store, sett
             store.l2.remove(h)
         assert (view.reach("", hashes).l2, view.reach("", hashes).total) == (0, 5)
         assert view.reach("abcd", hashes).total == 0  # another tenant's namespace holds nothing
-        assert [b.header.block_hash for b in store.fetch("", hashes, 1)] == hashes[1:]
+        assert [b.header.block_hash for b in store.fetch("", hashes, 1)[0]] == hashes[1:]
     finally:
         view.close()
 
@@ -90,12 +83,41 @@ def test_a_same_host_peer_slab_is_read_before_l3(settings) -> None:
         a.keep("", hashes, {x.block_hash: x for x in blocks})
         assert len(b.l2) == 0 and b.l3 is None
         assert (view.reach("", hashes).l2, view.reach("", hashes).total) == (4, 4)
-        got = b.fetch("", hashes, 0)
+        got, _ = b.fetch("", hashes, 0)
         assert [g.header.block_hash for g in got] == hashes
         assert all(torch.equal(g.data, x.data) for g, x in zip(got, blocks, strict=True))
         a.l2.remove(hashes[2])  # the peer lets one go: b's reach and fetch stop there
-        assert view.reach("", hashes).total == 2 and len(b.fetch("", hashes, 0)) == 2
+        assert view.reach("", hashes).total == 2 and len(b.fetch("", hashes, 0)[0]) == 2
     finally:
         view.close()
         b.close()
         a.close()
+
+
+def test_a_peer_the_request_names_is_read_and_counted(settings) -> None:
+    """No configured peers: the worker named in the request's kv_transfer_params is read, and its blocks
+    counted as peer blocks; an unnamed worker's slab is not."""
+    a_id, b_id = (f"vllm-{n}-{uuid.uuid4().hex[:8]}" for n in "ab")
+    settings = settings.model_copy(update={"tiers": settings.tiers.model_copy(update={"l3_enabled": False})})
+    a = WorkerStore(settings, a_id, FP, BLOCK, block_bytes=4096)
+    b = WorkerStore(settings, b_id, FP, BLOCK, block_bytes=4096)
+    view = StoreView(settings, b_id, FP, BLOCK)
+    try:
+        blocks = chain(3, seed=4)
+        hashes = [x.block_hash for x in blocks]
+        a.keep("", hashes, {x.block_hash: x for x in blocks})
+        named = request_peers({PEERS_PARAM: [a_id, a_id, 7, ""], "other": 1})
+        assert named == (a_id,)
+        assert view.reach("", hashes).total == 0 and b.fetch("", hashes, 0)[0] == []
+        assert view.reach("", hashes, named).total == 3
+        got, tiers = b.fetch("", hashes, 1, named)
+        assert [g.header.block_hash for g in got] == hashes[1:] and tiers == {Tier.PEER: 2}
+    finally:
+        view.close()
+        b.close()
+        a.close()
+
+
+def test_request_peers_takes_only_a_list_of_ids() -> None:
+    assert request_peers(None) == () and request_peers({PEERS_PARAM: "w1"}) == () and request_peers("x") == ()
+    assert request_peers({PEERS_PARAM: [f"w{i}" for i in range(20)]}) == tuple(f"w{i}" for i in range(8))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,10 +16,13 @@ from kvmesh.credentials.s3 import load_or_create_credentials
 from kvmesh.engine.gguf_import import IMPORT_FILE
 from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
+from kvmesh.stack.preflight import check_engine_backend
+from kvmesh.stack.procs import descendants
 from kvmesh.stack.probe import host_port
 from kvmesh.stack.services import build_specs, discover_services
 from kvmesh.stack.state import StackState, claim_state, load_state, remove_state
 from stack_harness import SVC_PACKAGE, SVC_PATH
+from waits import until_sync
 
 
 @pytest.fixture
@@ -36,6 +42,29 @@ def test_specs_default_one_replica_counts_override_and_unknown_fails() -> None:
     with pytest.raises(StackError) as err:
         build_specs("kvmesh.services", ["ingress"], {"prefil": 2})
     assert err.value.code == ExitCode.USAGE and "prefil" in err.value.message
+
+
+def test_the_vllm_engine_starts_no_decode_worker_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert check_engine_backend("kvmesh", {"prefill": 2}) == {"prefill": 2}
+    if importlib.util.find_spec("vllm") is None:  # this venv: the error names how to install it
+        with pytest.raises(StackError, match="needs vLLM importable") as err:
+            check_engine_backend("vllm", {})
+        assert err.value.code == ExitCode.USAGE
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    assert check_engine_backend("vllm", {"prefill": 2}) == {"decode": 0, "prefill": 2}
+    assert check_engine_backend("vllm", {"decode": 1}) == {"decode": 1}
+
+
+def test_descendants_are_found_through_every_generation() -> None:
+    """A shell that starts a shell that starts a sleep: both are below the first (stop_all kills them too)."""
+    proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & wait' & wait"])
+    try:
+        found = until_sync(lambda: len(descendants(proc.pid)) >= 2 and descendants(proc.pid), 10, "two generations")
+        assert all(pid != proc.pid for pid in found)
+    finally:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_credentials_created_once_with_0600(tmp_path: Path) -> None:

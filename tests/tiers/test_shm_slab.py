@@ -65,8 +65,9 @@ def test_slab_matches_a_dict_through_writes_and_frees(ops) -> None:
             assert len(arena) == len(model)
             for k, v in model.items():
                 assert bytes(arena.read(k)) == v and bytes(reader.read(worker, k)) == v
+                assert reader.stat(worker, k, 16) == (len(v), v[-16:])  # length and trailer, uncopied
             for k in {_key(h, t) for _, h, t, _ in ops} - model.keys():
-                assert arena.read(k) is None and reader.read(worker, k) is None
+                assert arena.read(k) is None and reader.read(worker, k) is None and reader.stat(worker, k, 16) is None
     finally:
         reader.close()
         arena.close()

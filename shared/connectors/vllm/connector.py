@@ -16,8 +16,9 @@ plan for each step reaches the worker as `StepPlan`.
 default derived from vLLM's engine id, which both processes share) and
 `peers`, the worker ids of other vLLM instances on this host whose L2 slabs
 it reads before S3, and `fleet_role`: `vllm` (a vLLM server of its own, the
-default) or the kvmesh worker role it runs inside (`prefill`:
-shared/connectors/vllm/serving.py), which heartbeats for it.
+default) or the kvmesh worker role it runs inside (`prefill`, `decode`:
+shared/connectors/vllm/serving.py), which heartbeats for it; the connector
+then takes that worker's eviction commands (advice.py).
 Everything else comes from kvmesh's settings (`KVMESH_*`: L2 size, S3
 endpoint, bucket, credentials under the state dir).
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 from kvmesh.config import load_settings
+from kvmesh.connectors.vllm.advice import ConnectorAdvice
 from kvmesh.connectors.vllm.plan import StepPlan
 from kvmesh.connectors.vllm.scheduler_side import SchedulerSide
 from kvmesh.connectors.vllm.store import StoreView, WorkerStore
@@ -41,6 +43,7 @@ from kvmesh.kvconvert.vllm_cpu import check_packing
 from kvmesh.log import get_logger
 from kvmesh.protocol.messages import Role
 from kvmesh.protocol.vllm_identity import model_fingerprint
+from kvmesh.serving.pinning import L2Pins
 from kvmesh.tiers.block_format import DTYPES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -70,10 +73,14 @@ class KVMeshConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(view, fingerprint, self.block_size)
         else:
             check_packing(self._packing(vllm_config))
-            self.worker = WorkerSide(
-                lambda block_bytes: WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes, peers,
-                                                fleet_role),
-                self.dtype, self.block_size)
+            def store(block_bytes: int) -> WorkerStore:
+                kept = WorkerStore(settings, worker_id, fingerprint, self.block_size, block_bytes, peers, fleet_role)
+                if fleet_role != Role.VLLM.value:  # a kvmesh worker's engine: it takes the worker's advice
+                    pins = L2Pins.for_tier(settings.pins, kept.l2.capacity_bytes, kept.block_bytes)
+                    kept.take_commands(ConnectorAdvice(kept, pins).on_message)
+                return kept
+
+            self.worker = WorkerSide(store, self.dtype, self.block_size)
         log.info("kvmesh connector ready", role=role.name, worker_id=worker_id, fingerprint=fingerprint[:12],
                  block_size=self.block_size, dtype=self.dtype)
 

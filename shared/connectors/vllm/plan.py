@@ -21,6 +21,7 @@ class LoadPlan:
     hashes: list[bytes]
     first: int
     block_ids: list[int]
+    peers: tuple[str, ...] = ()  # same-host workers the request named (request_peers.py)
 
 
 @dataclass(slots=True)

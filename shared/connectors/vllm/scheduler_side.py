@@ -1,9 +1,10 @@
 """The connector in vLLM's scheduler: how many tokens kvmesh can supply, and which blocks to load and keep.
 
 For a request vLLM is about to admit, `matched` hashes its tokens the kvmesh
-way and asks the store view how far the chain is held (the worker's L2, then
-L3). It offers whole blocks past vLLM's own prefix hit, never the last token
-(vLLM must compute at least one). The lookup is synchronous: an L2 probe is
+way and asks the store view how far the chain is held (the worker's L2, the
+L2 slabs of the peers it knows or the request names, then L3). It offers
+whole blocks past vLLM's own prefix hit, never the last token (vLLM must
+compute at least one). The lookup is synchronous: an L2 probe is
 a read of shared memory, an L3 probe one HEAD per chunk (none for chunks the
 view already saw), and a request asked about again while it waits for room
 gets the answer it got before.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.connectors.vllm.plan import LoadPlan, SavePlan, StepPlan
+from kvmesh.connectors.vllm.request_peers import request_peers
 from kvmesh.connectors.vllm.store import Reach, StoreView
 from kvmesh.log import get_logger
 from kvmesh.protocol.vllm_identity import chain_hashes, tenant_salt_hex
@@ -44,7 +46,7 @@ class SchedulerSide:
     block_size: int
     tracked: dict[str, Tracked] = field(default_factory=dict)
     _loads: list[LoadPlan] = field(default_factory=list)
-    _offers: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (first, end) offered positions
+    _offers: dict[str, tuple[int, int, tuple[str, ...]]] = field(default_factory=dict)  # request -> (first, end, peers)
     _seen: dict[str, tuple[int, Reach]] = field(default_factory=dict)  # request -> (loadable blocks, its reach)
     lookups: int = 0
     offered_tokens: int = 0
@@ -56,19 +58,20 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         if loadable <= first:
             return 0
+        peers = request_peers(getattr(request, "kv_transfer_params", None))
         seen = self._seen.get(request.request_id)
         if seen is not None and seen[0] == loadable:  # asked again while it waits for room: same answer
             reach = seen[1]
         else:
             salt = tenant_salt_hex(getattr(request, "cache_salt", None))
             hashes = chain_hashes(tokens[:loadable * self.block_size], self.block_size, self.fingerprint, salt)
-            reach = self.view.reach(salt, hashes)
+            reach = self.view.reach(salt, hashes, peers)
             self._seen[request.request_id] = (loadable, reach)
             self.lookups += 1
         if reach.total <= first:
             self._offers.pop(request.request_id, None)
             return 0
-        self._offers[request.request_id] = (first, reach.total)
+        self._offers[request.request_id] = (first, reach.total, peers)
         return (reach.total - first) * self.block_size
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -79,10 +82,11 @@ class SchedulerSide:
         offer = self._offers.pop(request.request_id, None)
         if num_external_tokens <= 0 or offer is None:
             return
-        first, end = offer
+        first, _, peers = offer
         end = first + num_external_tokens // self.block_size
         self._extend_hashes(t, end)
-        self._loads.append(LoadPlan(request.request_id, t.salt_hex, t.hashes[:end], first, t.block_ids[first:end]))
+        self._loads.append(LoadPlan(request.request_id, t.salt_hex, t.hashes[:end], first, t.block_ids[first:end],
+                                    peers))
         self.offered_tokens += num_external_tokens
 
     def step(self, scheduler_output) -> StepPlan:

@@ -1,6 +1,7 @@
 """The connector in vLLM's worker: load planned blocks into the paged KV before the forward pass, keep new ones after.
 
-A load fetches each block from the worker's L2, then L3 (verified: checksum,
+A load fetches each block from the worker's L2, then the L2 slabs of its
+same-host peers (configured, or named by the request), then L3 (verified: checksum,
 fingerprint, and the chain hash the plan names), converts it to vLLM's page
 packing and writes it into every layer's cache at the planned block ids. The
 first block it cannot fetch, and every block after it, is a load error: vLLM
@@ -14,6 +15,7 @@ kept: L2 at once, L3 by the store's upload queue.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,23 +62,25 @@ class WorkerSide:
 
     def load(self, plans: list[LoadPlan]) -> None:
         for plan in plans:
-            blocks = self._fetch(plan)
+            blocks, tiers = self._fetch(plan)
+            short = len(blocks) < len(plan.block_ids)  # the rest is recomputed
+            (log.warning if short else log.info)("kv loaded", request_id=plan.request_id, planned=len(plan.block_ids),
+                                                 loaded=len(blocks), tiers={t.value: n for t, n in tiers.items() if n})
             if blocks:
                 ids = torch.tensor(plan.block_ids[:len(blocks)], dtype=torch.long)
                 pages = blocks_to_pages(torch.stack([b.data for b in blocks]))
                 for cache, page in zip(self.layers, pages, strict=True):
                     cache.index_copy_(0, ids, page)
                 self.loaded_blocks += len(blocks)
-            if len(blocks) < len(plan.block_ids):
+            if short:
                 self.load_errors.update(plan.block_ids[len(blocks):])
-                log.warning("kv load short", request_id=plan.request_id, planned=len(plan.block_ids),
-                            loaded=len(blocks))
 
     def keep(self, plans: list[SavePlan]) -> None:
         assert self.store is not None
         for plan in plans:
             # only blocks L2 lacks leave vLLM's cache (one just loaded from L2 is there already)
-            todo = [i for i in range(len(plan.block_ids)) if plan.hashes[plan.first + i] not in self.store.l2]
+            with self.store.l2_lock:
+                todo = [i for i in range(len(plan.block_ids)) if plan.hashes[plan.first + i] not in self.store.l2]
             blocks: dict[bytes, KVBlock] = {}
             if todo:
                 ids = torch.tensor([plan.block_ids[i] for i in todo], dtype=torch.long)
@@ -91,14 +95,15 @@ class WorkerSide:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
-    def _fetch(self, plan: LoadPlan) -> list[StoredBlock]:
+    def _fetch(self, plan: LoadPlan) -> tuple[list[StoredBlock], Counter]:
+        """The plan's blocks converted for vLLM, as far as they are found in order; the tiers they came from."""
         assert self.store is not None
-        found = self.store.fetch(plan.salt_hex, plan.hashes, plan.first)[:len(plan.block_ids)]
+        found, tiers = self.store.fetch(plan.salt_hex, plan.hashes, plan.first, plan.peers)
         usable: list[StoredBlock] = []
-        for block in found:
+        for block in found[:len(plan.block_ids)]:
             try:
                 usable.append(convert_dtype(convert_layout(block, "NHD"), self.dtype))
             except IncompatibleKV as exc:
                 log.warning("kv block not loadable", request_id=plan.request_id, error=str(exc))
                 break
-        return usable
+        return usable, tiers

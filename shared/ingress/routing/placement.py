@@ -18,9 +18,9 @@ behind it. `decode_placement` (IngressSettings):
   worker, when there is no live decode worker, or when both share a host:
   then the decode worker computes on the same cores, so a handoff frees
   nothing and only moves bytes (`kvmesh up`, one box, runs "priced");
-- "local": always decode on the prefill worker (a fleet of vLLM workers,
-  `engine.backend = "vllm"`: they decode their own requests and no decode
-  worker runs vLLM's engine).
+- "local": always decode on the prefill worker (Helm's fleet of vLLM workers,
+  `engine.backend = "vllm"`: a vLLM decode worker reads a handoff's KV from
+  the prefill worker's shared memory, so the chart runs none).
 
 Migration is unchanged: a request decoding on its prefill worker that goes
 silent moves to a decode worker like any other.

@@ -43,9 +43,9 @@ class Gateway:
         self.in_flight = 0
 
     def ready(self) -> bool:
-        """Connected, a live prefill worker, and one to decode on: a decode worker, or (placement "local")
-        the prefill workers themselves."""
-        decodes = self.placement.mode == "local" or bool(self.table.live(Role.DECODE))
+        """Connected, a live prefill worker, and one to decode on: a decode worker, or (placement "local", or
+        "priced", which decodes on the prefill worker when no decode worker lives) the prefill workers themselves."""
+        decodes = self.placement.mode != "split" or bool(self.table.live(Role.DECODE))
         return self.nc.is_connected and bool(self.table.live(Role.PREFILL)) and decodes
 
     async def stream(self, req: GenerationRequest, usage: Usage | None = None) -> AsyncIterator[TokenEvent]:
