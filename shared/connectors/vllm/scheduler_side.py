@@ -46,7 +46,7 @@ class SchedulerSide:
     block_size: int
     tracked: dict[str, Tracked] = field(default_factory=dict)
     _loads: list[LoadPlan] = field(default_factory=list)
-    _offers: dict[str, tuple[int, int, tuple[str, ...]]] = field(default_factory=dict)  # request -> (first, end, peers)
+    _offers: dict[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)  # request -> (first offered, peers)
     _seen: dict[str, tuple[int, Reach]] = field(default_factory=dict)  # request -> (loadable blocks, its reach)
     lookups: int = 0
     offered_tokens: int = 0
@@ -71,7 +71,7 @@ class SchedulerSide:
         if reach.total <= first:
             self._offers.pop(request.request_id, None)
             return 0
-        self._offers[request.request_id] = (first, reach.total, peers)
+        self._offers[request.request_id] = (first, peers)
         return (reach.total - first) * self.block_size
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -82,7 +82,7 @@ class SchedulerSide:
         offer = self._offers.pop(request.request_id, None)
         if num_external_tokens <= 0 or offer is None:
             return
-        first, _, peers = offer
+        first, peers = offer
         end = first + num_external_tokens // self.block_size
         self._extend_hashes(t, end)
         self._loads.append(LoadPlan(request.request_id, t.salt_hex, t.hashes[:end], first, t.block_ids[first:end],

@@ -174,9 +174,7 @@ class VLLMWorker:
         ran = await self._to_the_end(run)
         if ran is None:
             return
-        full_blocks = (len(job.prompt_ids) - 1) // self.block_size
-        created = cache_created(job.pins, full_blocks, self.block_size, ran.engine_cached)
-        await ran.stream.finish(ran.reason, cache_created_tokens=created)
+        await ran.stream.finish(ran.reason, cache_created_tokens=self._created(job, ran.engine_cached))
         log.info("decoded here", request_id=job.request_id, attempt=job.attempt, session_id=job.session_id,
                  prompt_tokens=len(job.prompt_ids), cached_tokens=ran.engine_cached, engine="vllm",
                  ms={"engine": _ms(t0, ran.first_at), "decode": _ms(ran.first_at, time.perf_counter())})
@@ -199,8 +197,7 @@ class VLLMWorker:
         ids = [t for o in outs for t in o.outputs[0].token_ids]
         text = "".join(o.outputs[0].text for o in outs)
         cached = outs[0].num_cached_tokens or 0
-        full_blocks = (len(job.prompt_ids) - 1) // self.block_size
-        created = cache_created(job.pins, full_blocks, self.block_size, cached)
+        created = self._created(job, cached)
         final = reason == "stop" or job.sampling.max_tokens <= len(ids)
         await publish_event(self.publisher, TokenEvent(
             request_id=job.request_id, attempt=job.attempt, seq=0, token_ids=ids, text=text, finished=final,
@@ -302,6 +299,10 @@ class VLLMWorker:
                 stream.cancel()
             return None
         return _Ran(stream, reason, first_at, engine_cached)
+
+    def _created(self, job: PrefillJob, cached_tokens: int) -> int:
+        """The prompt tokens the job's pins wrote to the cache (the usage's cache_created_tokens)."""
+        return cache_created(job.pins, (len(job.prompt_ids) - 1) // self.block_size, self.block_size, cached_tokens)
 
     def _stream(self, run: _Run, cached_tokens: int) -> TokenStream:
         return TokenStream(self.publisher, run.request_id, run.attempt, self.worker_id, run.first_seq,
