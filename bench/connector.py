@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.bench import peer_workloads as wl
-from kvmesh.bench.peer import REPO, PeerConfig, _ratio, vllm_server
+from kvmesh.bench.peer import REPO, PeerConfig, _ratio, vllm_compute, vllm_server
 from kvmesh.bench.peer_drive import Timing, run_sessions, send, summary
 from kvmesh.net import free_port
 
@@ -93,6 +93,7 @@ def run_connector_bench(cfg: PeerConfig, l2_bytes: int, say: Callable[[str], Non
     say(f"{notes['sessions']} sessions: {notes['calls_before_restart']} calls, a restart, "
         f"{notes['returning_calls']} returning calls ({notes['context_tokens_held_by_sessions']} tokens of context)")
     results: dict[str, dict] = {}
+    compute: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         s3 = S3Server(data_dir=Path(tmp) / "s3")
         s3.start()
@@ -109,7 +110,8 @@ def run_connector_bench(cfg: PeerConfig, l2_bytes: int, say: Callable[[str], Non
                 phases: dict[str, dict] = {}
                 port = free_port()
                 say(f"{system}: starting")
-                with vllm_server(cfg, port, say, extra_args, env, f"{system}-1.log"):
+                with vllm_server(cfg, port, say, extra_args, env, f"{system}-1.log") as (log, pid):
+                    compute[system] = vllm_compute(log, pid)
                     start = time.monotonic()
                     got = asyncio.run(_drive(port, cfg.model_dir.name, before, (), say))
                     phases["agents"] = summary(got, time.monotonic() - start)
@@ -128,7 +130,8 @@ def run_connector_bench(cfg: PeerConfig, l2_bytes: int, say: Callable[[str], Non
     ratios = {f"{phase}_ttft_{k}": _ratio(ours[phase]["ttft_s"][k], theirs[phase]["ttft_s"][k])
               for phase in ("agents", "returning") for k in ("mean", "p50", "p99")}
     return {"bench": "connector", "workload": notes,
-            "config": {"kv_cache_gib": cfg.kv_cache_gib, "l2_bytes": l2_bytes, "vllm_threads": cfg.threads,
+            "compute": compute,
+            "config": {"kv_cache_gib": cfg.kv_cache_gib, "l2_bytes": l2_bytes,
                        "sessions": cfg.sessions, "calls": cfg.calls, "agent_max_tokens": cfg.agent_max_tokens,
                        "seed": cfg.seed},
             "results": results, "kvmesh_over_vllm": ratios}

@@ -161,10 +161,10 @@ def own_stack(say: Any) -> Iterator[tuple[str, str]]:
                "KVMESH_INGRESS__RATE_LIMIT_BURST": "100000"}
         state = Path(tmp) / "state"
         args = [str(bindir / "kvmesh"), "up", "--detach", "--model", str(model), "--state-dir", str(state),
-                "--nats-port", "0", "--nats-monitor-port", "0", "--s3-port", "0", "--timeout", "180"]
+                "--nats-port", "0", "--nats-monitor-port", "0", "--s3-port", "0", "--timeout", "900"]
         say("starting a stack")
         try:
-            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=960)
             if up.returncode != 0:
                 raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}")
             yield f"http://127.0.0.1:{port}", key

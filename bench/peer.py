@@ -3,14 +3,18 @@
 What a user would run instead of kvmesh is one vLLM server with prefix caching. Both serve the same
 HF-format checkpoint dir (by default SmolLM2-135M-Instruct as `kvmesh up` imports it) and get the same
 requests (bench/peer_workloads.py), driven by the same client code (bench/peer_drive.py). They never run
-at once: vLLM first (started by PID from `--peer-python`, a venv made by bench/make_peer_venv.sh), then
-the kvmesh stack through `kvmesh up`, each fresh, each on the whole box. vLLM gets `--threads` torch
-threads (OMP_NUM_THREADS); kvmesh's prefill and decode processes use torch's default, one thread per core
-each (they share the cores). `kvmesh up` decodes each request on its prefill worker (one box: a handoff
-frees no compute), so decode-0 takes a request only if prefill-0 fails. Both are written into the JSON.
+at once: vLLM first (started by PID from `--peer-python`, by default this Python), then a kvmesh stack
+through `kvmesh up` per engine (`--engines`: vllm, kvmesh's default, and native, its own engine), each
+fresh, each on the whole box.
+
+Equal compute: every vLLM, the peer's and kvmesh's workers', binds its engine to every core this process
+may use and reserves none (shared/workers/vllm_cores.py; vLLM's own default reserves one core of two for
+plain vLLM and none for one with a KV connector). What each side ran on is read back from the running
+processes (vLLM's "core ids" log line, /proc's Cpus_allowed_list) into the JSON's `compute`. `kvmesh up`
+decodes each request on its prefill worker (one box: a handoff frees no compute).
 
 Out: one JSON object (per workload, per system: TTFT p50/p90/p99/mean, requests/s, decode tok/s,
-cached/prompt, errors; then kvmesh/vLLM ratios, above 1 meaning kvmesh is slower), the kvmesh
+cached/prompt, errors; then kvmesh/vLLM ratios per engine, above 1 meaning kvmesh is slower), the kvmesh
 per-request breakdown (bench/peer_breakdown.py), and a PNG of the TTFT distributions.
 """
 
@@ -30,14 +34,13 @@ from pathlib import Path
 from kvmesh.bench import peer_workloads as wl
 from kvmesh.bench.peer_breakdown import breakdown
 from kvmesh.bench.peer_drive import Timing, run_open_loop, run_sessions, send, summary
+from kvmesh.stack.procs import allowed_cpus, descendants
+from kvmesh.workers.vllm_cores import allowed_cores, bind_env, logged_binding
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_READY_S = 900.0
-HOW_TO_PEER = """kvmesh bench peer needs a Python with vLLM to compare against. Make one (about 4 minutes, 3.5 GB):
-
-    bash bench/make_peer_venv.sh ../peer-venv
-
-then pass it: kvmesh bench peer --peer-python ../peer-venv/bin/python"""
+HOW_TO_PEER = ("kvmesh bench peer needs a Python with vLLM to compare against: kvmesh's own venv has it after "
+               "`bash install.sh`; another one is named with --peer-python")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +58,9 @@ class PeerConfig:
     long_tokens: int = 6000
     decode_tokens: int = 64
     batches: tuple[int, ...] = (1, 8, 32)
-    threads: int = 2
     kv_cache_gib: int = 3
     seed: int = 0
+    engines: tuple[str, ...] = ("vllm", "native")  # kvmesh's engine backends to run, one stack each
 
 
 def peer_version(python: Path) -> str | None:
@@ -119,12 +122,13 @@ async def drive(base_url: str, api_key: str, model: str, w: wl.Workloads, say: C
 
 @contextmanager
 def vllm_server(cfg: PeerConfig, port: int, say: Callable[[str], None], extra_args: tuple[str, ...] = (),
-                extra_env: dict[str, str] | None = None, log_name: str = "vllm.log") -> Iterator[Path]:
-    """vLLM's OpenAI server on the checkpoint, started and stopped by PID; yields its log path."""
+                extra_env: dict[str, str] | None = None, log_name: str = "vllm.log") -> Iterator[tuple[Path, int]]:
+    """vLLM's OpenAI server on the checkpoint, on every core this process may use (none reserved), started
+    and stopped by PID; yields its log path and PID."""
     import httpx
 
     log = cfg.out_dir / log_name
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+    env = {**os.environ, **bind_env(allowed_cores()), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
            **(extra_env or {})}
     argv = [str(cfg.peer_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_dir),
             "--served-model-name", cfg.model_dir.name, "--enable-prefix-caching", "--enable-prompt-tokens-details",
@@ -145,7 +149,7 @@ def vllm_server(cfg: PeerConfig, port: int, say: Callable[[str], None], extra_ar
                 raise TimeoutError(f"vLLM not ready within {VLLM_READY_S:.0f}s")
             time.sleep(2)
         say("vLLM ready")
-        yield log
+        yield log, proc.pid
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -178,7 +182,7 @@ def plot(ttfts: dict[str, dict[str, list[float]]], path: Path) -> None:
     names = [n for n, sides in ttfts.items() if min(len(v) for v in sides.values()) >= 5]
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        for system, style in (("vllm", "-"), ("kvmesh", "--")):
+        for system, style in zip(ttfts[name], ("-", "--", ":"), strict=False):
             xs = ttfts[name][system]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post", label=system)
         ax.set_title(f"{name} ({len(ttfts[name]['vllm'])} requests)")
@@ -187,18 +191,40 @@ def plot(ttfts: dict[str, dict[str, list[float]]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("share of requests")
     axes[0][0].legend()
-    fig.suptitle("TTFT: kvmesh and vLLM, same box and checkpoint, one after the other", fontsize=10)
+    fig.suptitle("TTFT: vLLM and kvmesh (per engine), same box, cores and checkpoint, one after the other",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _vllm_threads(log: Path) -> str:
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if "thread" in ln.lower()]
-    return lines[-1][-200:] if lines else ""
+def vllm_compute(log: Path, pid: int | None = None) -> dict:
+    """What a vLLM ran on, read back: the cores its log says it bound its engine to and reserved, and (while it
+    runs) the cores its processes may use."""
+    got: dict = {"binding": logged_binding(log.read_text(errors="replace")) if log.exists() else None}
+    if pid is not None:
+        got["cpus_allowed"] = {str(p): allowed_cpus(p) for p in [pid, *descendants(pid)]}
+    return got
+
+
+def stack_compute(state_dir: Path) -> dict:
+    """What a kvmesh stack's workers ran on, read back while it runs: each process's allowed cores and, for a
+    vLLM worker, its engine's binding from its log."""
+    state = json.loads((state_dir / "stack.json").read_text())
+    out = {}
+    for rec in state["processes"]:
+        if rec["kind"] != "service":
+            continue
+        log = Path(rec["log"])
+        binding = logged_binding(log.read_text(errors="replace")) if log.exists() else None
+        out[rec["name"]] = {"cpus_allowed": allowed_cpus(rec["pid"]), "children": len(descendants(rec["pid"])),
+                            **({"vllm_binding": binding} if binding else {})}
+    return out
 
 
 def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
+    from dataclasses import replace
+
     from kvmesh.bench.serve import KEY, SayLog, ServeBenchConfig, running_stack
     from kvmesh.net import free_port
 
@@ -206,37 +232,40 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     w = build_workloads(cfg)
     say(f"workloads: {w.notes}")
     runs: dict[str, dict] = {}
+    compute: dict[str, dict] = {"cpus": os.cpu_count(), "bench_cpus_allowed": allowed_cpus(os.getpid())}
     port = free_port()
     say("starting vLLM (about 2 minutes to load)")
-    with vllm_server(cfg, port, say) as vlog:
+    with vllm_server(cfg, port, say) as (vlog, pid):
+        compute["vllm"] = vllm_compute(vlog, pid)
         runs["vllm"] = asyncio.run(drive(f"http://127.0.0.1:{port}/v1", "none", cfg.model_dir.name, w, say))
-    vllm_threads = _vllm_threads(vlog)
-    state_dir = cfg.out_dir / "kvmesh-state"
-    env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600"}
-    with running_stack(cfg.model_dir, ServeBenchConfig(model_dir=cfg.model_dir), True, SayLog(say), env, state_dir) as url:
-        say("kvmesh ready")
-        runs["kvmesh"] = asyncio.run(drive(url, KEY, cfg.model_dir.name, w, say))
-        parts = breakdown([t for timings, _ in runs["kvmesh"].values() for t in timings], state_dir / "logs")
-    import torch
-
-    result: dict = {"bench": "peer", "model": cfg.model_dir.name, "workload_notes": w.notes,
-                    "compute": {"cpus": os.cpu_count(), "vllm_torch_threads": cfg.threads,
-                                "vllm_thread_log": vllm_threads,
-                                "kvmesh": f"prefill-0 and decode-0, torch default threads each ({torch.get_num_threads()} "
-                                          "here), sharing the same cores; requests decode on prefill-0 "
-                                          "(kvmesh up's decode_placement=priced on one host)"},
+    parts: dict[str, dict] = {}
+    systems = ["vllm"]
+    for engine in cfg.engines:
+        system = f"kvmesh_{engine}"
+        systems.append(system)
+        state_dir = cfg.out_dir / f"kvmesh-state-{engine}"
+        env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600"}
+        serve_cfg = replace(ServeBenchConfig(model_dir=cfg.model_dir), engine=engine)
+        with running_stack(cfg.model_dir, serve_cfg, True, SayLog(say), env, state_dir) as url:
+            say(f"kvmesh ({engine} engine) ready")
+            compute[system] = stack_compute(state_dir)
+            runs[system] = asyncio.run(drive(url, KEY, cfg.model_dir.name, w, say))
+            parts[system] = breakdown([t for timings, _ in runs[system].values() for t in timings], state_dir / "logs")
+    result: dict = {"bench": "peer", "model": cfg.model_dir.name, "workload_notes": w.notes, "compute": compute,
                     "vllm_version": peer_version(cfg.peer_python), "workloads": {}, "kvmesh_breakdown": parts}
     for name in runs["vllm"]:
         if name.startswith("long_"):  # one request each
-            one = {s: runs[s][name][0][0] for s in ("vllm", "kvmesh")}
+            one = {s: runs[s][name][0][0] for s in systems}
             sides = {s: {"ttft_s": round(t.ttft_s, 4) if t.ok else None, "prompt_tokens": t.prompt_tokens,
                          "cached_tokens": t.cached_tokens, "error": t.error} for s, t in one.items()}
-            result["workloads"][name] = {**sides, "ttft_kvmesh_over_vllm": _ratio(sides["kvmesh"]["ttft_s"],
-                                                                                  sides["vllm"]["ttft_s"])}
+            result["workloads"][name] = {**sides, **{f"ttft_{s}_over_vllm": _ratio(sides[s]["ttft_s"],
+                                                                                    sides["vllm"]["ttft_s"])
+                                                     for s in systems[1:]}}
         else:
-            sides = {s: summary(*runs[s][name]) for s in ("vllm", "kvmesh")}
-            result["workloads"][name] = {**sides, "kvmesh_over_vllm": compare(sides["kvmesh"], sides["vllm"])}
-    ttfts = {name: {s: sorted(round(t.ttft_s, 4) for t in runs[s][name][0] if t.ok) for s in ("vllm", "kvmesh")}
+            sides = {s: summary(*runs[s][name]) for s in systems}
+            result["workloads"][name] = {**sides, **{f"{s}_over_vllm": compare(sides[s], sides["vllm"])
+                                                     for s in systems[1:]}}
+    ttfts = {name: {s: sorted(round(t.ttft_s, 4) for t in runs[s][name][0] if t.ok) for s in systems}
              for name in runs["vllm"]}
     result["ttft_s_sorted"] = ttfts  # every request's TTFT, for other plots
     png = cfg.out_dir / "peer_ttft.png"

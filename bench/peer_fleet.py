@@ -4,7 +4,7 @@ What a vLLM user scales out to is N servers, each with its own prefix cache, beh
 that spreads calls round-robin. kvmesh's answer is the same vLLM, as the engine of its prefill workers
 (`kvmesh up --engine vllm --prefill 2`): the ingress routes each call to the worker whose blocks the
 cache index says hold its prefix, and the connector keeps what vLLM's pool lets go of in the worker's L2
-and in S3. Same checkpoint, same KV pool per instance (`kv_cache_gib`), same torch threads, the same SWE-agent
+and in S3. Same checkpoint, same KV pool per instance (`kv_cache_gib`), the same cores (every vLLM binds all of them, none reserved), the same SWE-agent
 sessions (bench/peer_workloads.py, with their tool time), one system after the other on this box:
 
 1. `agents`: every call of each session but its last (more context than one instance's pool holds);
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvmesh.bench.connector import split_sessions
-from kvmesh.bench.peer import PeerConfig, _ratio, peer_version, vllm_server
+from kvmesh.bench.peer import PeerConfig, _ratio, peer_version, stack_compute, vllm_compute, vllm_server
 from kvmesh.bench.peer_drive import Timing, run_sessions, send, summary
 from kvmesh.net import free_port
 
@@ -68,12 +68,14 @@ async def _drive(urls: list[str], api_key: str, model: str, sessions, calls, say
 
 
 @contextmanager
-def _vllm_pair(cfg: PeerConfig, say: Callable[[str], None], round_: int) -> Iterator[list[str]]:
+def _vllm_pair(cfg: PeerConfig, say: Callable[[str], None], round_: int,
+               compute: dict[str, dict]) -> Iterator[list[str]]:
     ports = [free_port() for _ in range(INSTANCES)]
     with ExitStack() as stack:
         for i, port in enumerate(ports):
-            stack.enter_context(vllm_server(cfg, port, say, ("--block-size", str(BLOCK)), None,
-                                            f"fleet-vllm-{i}-{round_}.log"))
+            log, pid = stack.enter_context(vllm_server(cfg, port, say, ("--block-size", str(BLOCK)), None,
+                                                       f"fleet-vllm-{i}-{round_}.log"))
+            compute[f"vllm-{i}"] = vllm_compute(log, pid)
         yield [f"http://127.0.0.1:{p}/v1" for p in ports]
 
 
@@ -87,13 +89,13 @@ def _pool_blocks(cfg: PeerConfig) -> int:
 
 
 @contextmanager
-def _kvmesh_fleet(cfg: PeerConfig, state_dir: Path, port: int, say: Callable[[str], None]) -> Iterator[list[str]]:
+def _kvmesh_fleet(cfg: PeerConfig, state_dir: Path, port: int, say: Callable[[str], None],
+                  compute: dict[str, dict]) -> Iterator[list[str]]:
     kvmesh = str(Path(cfg.peer_python).parent / "kvmesh")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")},
            "KVMESH_STATE_DIR": str(state_dir), "KVMESH_INGRESS__PORT": str(port), "KVMESH_API_KEYS": f"{KEY}:bench",
-           "KVMESH_ENGINE__NUM_BLOCKS": str(_pool_blocks(cfg)), "KVMESH_ENGINE__THREADS": str(cfg.threads),
-           "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "900", "KVMESH_TIERS__L3_TAIL_DELAY_S": "0",
-           "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+           "KVMESH_ENGINE__NUM_BLOCKS": str(_pool_blocks(cfg)),
+           "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "900", "KVMESH_TIERS__L3_TAIL_DELAY_S": "0"}
     up = subprocess.run([kvmesh, "up", "--detach", "--engine", "vllm", "--model", str(cfg.model_dir),
                          "--prefill", str(INSTANCES), "--nats-port", "0", "--nats-monitor-port", "0", "--s3-port",
                          "0", "--timeout", "900"], env=env, capture_output=True, text=True, timeout=1000)
@@ -101,6 +103,7 @@ def _kvmesh_fleet(cfg: PeerConfig, state_dir: Path, port: int, say: Callable[[st
         if up.returncode != 0:
             raise RuntimeError(f"kvmesh up --engine vllm failed ({up.returncode}): {up.stderr[-3000:]}")
         say("kvmesh fleet ready")
+        compute.update(stack_compute(state_dir))
         yield [f"http://127.0.0.1:{port}/v1"]
     finally:
         subprocess.run([kvmesh, "down"], env=env, capture_output=True, timeout=300)
@@ -115,15 +118,16 @@ def run_fleet_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     state_dir = cfg.out_dir / "kvmesh-fleet-state"
     shutil.rmtree(state_dir, ignore_errors=True)  # nothing from an earlier run in kvmesh's S3
     results: dict[str, dict] = {}
+    compute: dict[str, dict] = {"vllm_round_robin": {}, "kvmesh_vllm": {}}
     for system in ("vllm_round_robin", "kvmesh_vllm"):
         phases: dict[str, dict] = {}
         port = free_port()
         for round_, phase in enumerate(("agents", "returning")):
             say(f"{system}: starting for {phase}")
             if system == "vllm_round_robin":
-                servers, api_key = _vllm_pair(cfg, say, round_), "none"
+                servers, api_key = _vllm_pair(cfg, say, round_, compute[system]), "none"
             else:
-                servers, api_key = _kvmesh_fleet(cfg, state_dir, port, say), KEY
+                servers, api_key = _kvmesh_fleet(cfg, state_dir, port, say, compute[system]), KEY
             with servers as urls:
                 start = time.monotonic()
                 got = asyncio.run(_drive(urls, api_key, model, before if phase == "agents" else None, last, say))
@@ -136,9 +140,9 @@ def run_fleet_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
               for phase in ("agents", "returning") for k in ("mean", "p50", "p99")}
     out = {"bench": "peer-fleet", "vllm_version": peer_version(cfg.peer_python), "workload": notes,
            "config": {"instances": INSTANCES, "block_size": BLOCK, "kv_cache_gib_each": cfg.kv_cache_gib,
-                      "kvmesh_pool_blocks_each": _pool_blocks(cfg), "torch_threads_each": cfg.threads,
-                      "cpus": os.cpu_count(), "sessions": cfg.sessions, "calls": cfg.calls,
+                      "kvmesh_pool_blocks_each": _pool_blocks(cfg), "cpus": os.cpu_count(),
+                      "sessions": cfg.sessions, "calls": cfg.calls,
                       "agent_max_tokens": cfg.agent_max_tokens, "seed": cfg.seed},
-           "results": results, "kvmesh_over_vllm": ratios}
+           "compute": compute, "results": results, "kvmesh_over_vllm": ratios}
     (cfg.out_dir / "peer-fleet.json").write_text(json.dumps(out, indent=2))
     return out

@@ -54,6 +54,7 @@ class ServeBenchConfig:
     decode: int = 1
     l3: bool = True  # False: workers without the S3 tier (shows what L3 lookups on a miss cost)
     l1_blocks: int | None = None  # each engine's KV pool, in blocks (None: the engine's default)
+    engine: str = "native"  # the workers' engine backend (kvmesh up --engine): these benches time kvmesh's own path
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +107,10 @@ def running_stack(model_dir: Path, cfg: ServeBenchConfig, cache: bool, say: Cons
         env = {**os.environ, **stack_env(cfg, cache, port, extra_env)}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
                 "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", str(cfg.prefill),
-                "--decode", str(cfg.decode), "--timeout", "180"]
+                "--decode", str(cfg.decode), "--engine", cfg.engine, "--timeout", "900"]
         say.log(f"starting a stack (prefix cache {'on' if cache else 'off'})")
         try:
-            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=960)
             if up.returncode != 0:  # the state dir goes with the stack: keep the end of the log `up` names
                 named = re.search(r"\(log: (\S+)\)", up.stderr)
                 path = Path(named.group(1)) if named else None

@@ -49,10 +49,10 @@ def stack(model_dir: Path, say: Console, log_level: str) -> Iterator[tuple[str, 
                "KVMESH_LOG_LEVEL": log_level, "KVMESH_INGRESS__RATE_LIMIT_PER_S": "1000",
                "KVMESH_INGRESS__RATE_LIMIT_BURST": "1000"}
         args = [kvmesh, "up", "--detach", "--model", str(model_dir), "--state-dir", tmp, "--nats-port", "0",
-                "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", "1", "--decode", "1", "--timeout", "180"]
+                "--nats-monitor-port", "0", "--s3-port", "0", "--prefill", "1", "--decode", "1", "--timeout", "900"]
         say.log("starting a stack")
         try:
-            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+            up = subprocess.run(args, env=env, capture_output=True, text=True, timeout=960)
             if up.returncode != 0:
                 raise RuntimeError(f"kvmesh up failed ({up.returncode}): {up.stderr[-2000:]}")
             state = load_state(Path(tmp))

@@ -107,6 +107,9 @@ class ChaosStack:
             KVMESH_SERVICE__HTTP_PORT=str(self.ports[service_id]),
             KVMESH_SERVICE__HEARTBEAT_INTERVAL_S="0.5",
             KVMESH_SERVICE__HEARTBEAT_TTL_S="2",
+            # kvmesh's own engine: four vLLM workers (3 GB each, plus their compile) do not fit a small box, and
+            # the scenarios are about the fleet's protocol, which both engines serve
+            KVMESH_ENGINE__BACKEND="native",
             KVMESH_ENGINE__NUM_BLOCKS="512",
             KVMESH_TIERS__L2_CAPACITY_BYTES=str(64 * 1024 * 1024),
             KVMESH_TIERS__L3_CHUNK_TOKENS="32",  # short prompts reach L3 (2 blocks a chunk)

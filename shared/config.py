@@ -10,6 +10,7 @@ reads the environment anywhere else.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -60,9 +61,10 @@ class ConstraintSettings(BaseModel):
 
 
 class EngineSettings(BaseModel):
-    # What computes a prefill worker's tokens: kvmesh's own engine, or vLLM in process with kvmesh's
-    # connector as its KV layer (shared/connectors/vllm/serving.py; needs vLLM importable)
-    backend: Literal["kvmesh", "vllm"] = "kvmesh"
+    # What computes a worker's tokens: vLLM in process with kvmesh's connector as its KV layer
+    # (shared/workers/vllm_backend.py), or kvmesh's own paged-KV engine (native; shared/serving).
+    # auto: vLLM where it imports, else native (`kvmesh up` says so in one line).
+    backend: Literal["auto", "vllm", "native"] = "auto"
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 64
@@ -77,6 +79,12 @@ class EngineSettings(BaseModel):
     pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)  # of the pool TTL pins may hold (breakpoints, sessions)
     pin_tenant_fraction: float = Field(default=0.25, ge=0.0, le=1.0)  # of the pool one tenant's pins may hold
     constraints: ConstraintSettings = Field(default_factory=ConstraintSettings)
+
+    def resolved_backend(self) -> Literal["vllm", "native"]:
+        """The backend `auto` stands for here: vllm where this Python finds vLLM, else native."""
+        if self.backend != "auto":
+            return self.backend
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "native"
 
 
 class TierSettings(BaseModel):
@@ -229,7 +237,7 @@ class StackSettings(BaseModel):
 
     bin_dir: Path | None = None  # look for nats-server / weed only here (default: beside python, then PATH)
     services_package: str = "kvmesh.services"  # every <package>.<name> with a __main__ is a service
-    ready_timeout_s: float = 60.0
+    ready_timeout_s: float = 900.0  # vLLM's first start compiles for minutes; a process that dies fails at once
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
 
 

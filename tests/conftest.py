@@ -7,6 +7,7 @@ restart a server take a function-scoped one of their own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from kvmesh.engine.presets import write_preset
 from kvmesh.stack.servers import NatsServer, S3Server
 
 MANY_BUCKETS_VOLUMES = 1000  # a test session creates a bucket per test: see S3Server.max_volumes
+
+# The suite's stacks and services run kvmesh's own engine unless a test names vLLM (tests/connectors: the
+# default `kvmesh up`, which serves through vLLM where it is installed, as it is in CI's venv).
+os.environ.setdefault("KVMESH_ENGINE__BACKEND", "native")
 
 pytest_plugins = ("guards",)  # hung tests fail with a stack trace instead of stalling the run
 

@@ -1,14 +1,10 @@
-"""The prefill service: `python -m kvmesh.services.prefill` (logic in shared/serving; with
-`KVMESH_ENGINE__BACKEND=vllm`, vLLM's engine: shared/connectors/vllm/serving.py)."""
+"""The prefill service: `python -m kvmesh.services.prefill`; its engine backend is picked by
+shared/workers/backends.py (vLLM: shared/workers/vllm_backend.py; native: shared/serving)."""
 
 from kvmesh.config import load_settings
 from kvmesh.protocol.messages import Role
 from kvmesh.service.runner import run_service
-from kvmesh.serving.services import setup_prefill
+from kvmesh.workers.backends import setup_for
 
 settings = load_settings()
-if settings.engine.backend == "vllm":
-    from kvmesh.connectors.vllm.serving import setup_vllm_prefill as setup
-else:
-    setup = setup_prefill
-raise SystemExit(run_service("prefill", Role.PREFILL, setup, settings))
+raise SystemExit(run_service("prefill", Role.PREFILL, setup_for(Role.PREFILL, settings), settings))

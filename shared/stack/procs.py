@@ -46,25 +46,41 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def allowed_cpus(pid: int) -> str:
+    """`Cpus_allowed_list` of a running process, as /proc writes it ("" when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 @dataclass(slots=True)
 class ProcessStatus:
     name: str
     pid: int
     alive: bool
-    rss_bytes: int
+    rss_bytes: int  # the process and the processes it started (a vLLM worker's engine core is a child)
     uptime_s: float
     log: str
+    cpus: str = ""  # the cores it may run on (Cpus_allowed_list)
+    children: int = 0  # processes below it
 
 
 def process_status(rec: ProcessRecord) -> ProcessStatus:
     alive = is_ours(rec)
+    below = descendants(rec.pid) if alive else []
     return ProcessStatus(
         name=rec.name,
         pid=rec.pid,
         alive=alive,
-        rss_bytes=rss_bytes(rec.pid) if alive else 0,
+        rss_bytes=sum(rss_bytes(p) for p in [rec.pid, *below]) if alive else 0,
         uptime_s=round(time.time() - rec.started_at, 1) if alive else 0.0,
         log=rec.log,
+        cpus=allowed_cpus(rec.pid) if alive else "",
+        children=len(below),
     )
 
 

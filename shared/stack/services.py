@@ -45,7 +45,7 @@ class ServiceContext:
     host: str = "127.0.0.1"
     nats_users: NatsCredentials | None = None  # None: NATS without auth (or external: the launcher's env)
     nats_tls_ca: Path | None = None  # the CA services verify a TLS NATS with
-    engine_backend: str = "kvmesh"  # what computes the prefill workers' tokens (kvmesh up --engine)
+    engine_backend: str = "native"  # what computes the workers' tokens: vllm or native (kvmesh up --engine)
 
 
 def discover_services(package: str) -> list[str]:
@@ -94,6 +94,7 @@ def service_env(ctx: ServiceContext, worker_id: str, http_port: int) -> dict[str
     if ctx.engine_backend == "vllm":
         # vLLM's CPU attention packs 32-token pages the way kvmesh converts ("vec"); at 16 it uses "vec16"
         env.setdefault("KVMESH_ENGINE__BLOCK_SIZE", "32")
+        env.setdefault("KVMESH_ENGINE__NUM_BLOCKS", "1024")  # the tokens of the native engine's 2048 x 16
     # One box: every worker computes on the same cores, so a handoff frees nothing (routing/placement.py).
     env.setdefault("KVMESH_INGRESS__DECODE_PLACEMENT", "priced")
     # Thread budget: the engines (prefill, decode) get the cores (on one box requests decode where they

@@ -9,6 +9,7 @@ was started (services first) and leaves no state file behind.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -34,7 +35,7 @@ from kvmesh.stack.launch import (
 )
 from kvmesh.stack.model import resolve_model_dir
 from kvmesh.stack.preflight import (
-    check_engine_backend,
+    choose_engine,
     check_external_nats,
     check_external_s3,
     ensure_binaries,
@@ -61,6 +62,7 @@ from kvmesh.stack.state import (
 
 # Ctrl-C, `kill`, and the terminal closing all stop the stack cleanly instead of orphaning it.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PROGRESS_S = 15.0  # how often a start that is not ready yet says what it waits for
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +151,10 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     state_dir = Path(state.state_dir)
     t0 = time.monotonic()
     package = settings.stack.services_package
-    replicas = check_engine_backend(settings.engine.backend, opts.replicas)
-    specs = build_specs(package, discover_services(package), replicas)
+    engine = choose_engine(settings.engine.backend, opts.replicas)
+    if engine.note:
+        say(engine.note)
+    specs = build_specs(package, discover_services(package), engine.replicas)
     _preflight(settings, opts)
     if opts.fresh:
         for data in (state_dir / "nats", state_dir / "s3", *state_dir.glob("nats-[0-9]*")):
@@ -165,7 +169,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     ctx = ServiceContext(nats_url=state.nats_url, s3_endpoint=state.s3_endpoint, s3_bucket=state.s3_bucket,
                          creds=creds, state_dir=state_dir, model_dir=model_dir, host=settings.service.http_host,
                          nats_users=nats_users, nats_tls_ca=settings.nats.tls_ca if stack_nats_tls(settings) else None,
-                         engine_backend=settings.engine.backend)
+                         engine_backend=engine.backend)
     if settings.api_keys is None and any(s.name == "ingress" and s.replicas for s in specs):
         from kvmesh.ingress.admission.auth import (  # the stack needs fastapi only here
             KEYS_FILE,
@@ -191,7 +195,7 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
             state.endpoints.append(Endpoint(name=started.worker_id, url=f"http://{started.host}:{started.http_port}",
                                             check="http", ready_path="/readyz"))
             save_state(state)
-    _wait_ready(state, creds, t0 + settings.stack.ready_timeout_s)
+    _wait_ready(state, creds, t0 + settings.stack.ready_timeout_s, say)
     state.ready_at = time.time()
     save_state(state)
     say(f"kvmesh stack ready in {time.monotonic() - t0:.1f}s (state dir {state_dir})")
@@ -296,19 +300,47 @@ def _http_url(endpoint: str, secure: bool) -> str:
     return f"{'https' if secure else 'http'}://{host}:{port}"
 
 
-def _wait_ready(state: StackState, creds: S3Credentials, deadline: float) -> None:
-    """Poll every endpoint until all are ready; a process that dies meanwhile fails the start at once."""
+def _wait_ready(state: StackState, creds: S3Credentials, deadline: float, say: Callable[[str], None]) -> None:
+    """Poll every endpoint until all are ready; a process that dies meanwhile fails the start at once.
+
+    While some are not ready, every PROGRESS_S it names them with their logs' last line (vLLM's first start
+    loads and compiles for minutes)."""
     pending = list(state.endpoints)
+    started = last_said = time.monotonic()
     while pending:
         for rec in state.processes:
             if not is_ours(rec):
                 raise StackError(ExitCode.START_FAILED, f"{rec.name} exited during start (log: {rec.log})")
         pending = [e for e in pending if not check_endpoint(e, creds).ready]
-        if pending and time.monotonic() > deadline:
+        now = time.monotonic()
+        if pending and now > deadline:
             names = ", ".join(e.name for e in pending)
             raise StackError(ExitCode.START_FAILED, f"not ready before the deadline: {names} (logs: {state.state_dir})")
+        if pending and now - last_said >= PROGRESS_S:
+            last_said = now
+            logs = {r.name: r.log for r in state.processes}
+            say(f"waiting {now - started:.0f}s for " + "; ".join(
+                f"{e.name}" + (f" ({last_line(logs[e.name])})" if logs.get(e.name) else "") for e in pending))
         if pending:
             time.sleep(0.1)
+
+
+def last_line(path: str, width: int = 100) -> str:
+    """The last non-empty line of a log file (a JSON line: its event), cut to `width` characters."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 4096, 0))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    if not lines:
+        return ""
+    try:
+        line = str(json.loads(lines[-1]).get("event", lines[-1]))
+    except (ValueError, AttributeError):
+        line = lines[-1]
+    return line[:width]
 
 
 def _teardown(state: StackState, grace_s: float) -> None:

@@ -1,6 +1,7 @@
-"""`kvmesh up --engine vllm`: the local stack with vLLM as its workers' engine (shared/connectors/vllm/serving.py).
+"""`kvmesh up`: the local stack with vLLM as its workers' engine, the default where vLLM is installed
+(shared/workers/vllm_backend.py).
 
-The real CLI, run with the vLLM venv's python (which runs every service), the real default model, NATS with
+The real CLI with its default engine (no --engine, no KVMESH_* settings but the test's), the real default model, NATS with
 users, the S3 server, and the official OpenAI SDK against the ingress: a repeated prompt hits, a stopped and
 restarted stack (vLLM's pool and prefix cache empty) restores the prompt from kvmesh's tiers, and the
 worker's KV events named the blocks vLLM computed, under the worker's own id. Restarted with a vLLM decode
@@ -46,14 +47,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Stack:
-    """`kvmesh` of the vLLM venv on one state dir; whatever it started is SIGKILLed at the end."""
+    """`kvmesh` on one state dir; whatever it started is SIGKILLed at the end."""
 
     def __init__(self, state_dir: Path, port: int) -> None:
         self.kvmesh = str(Path(vllm_python()).parent / "kvmesh")
         self.state_dir = state_dir
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | {
             "KVMESH_STATE_DIR": str(state_dir), "KVMESH_INGRESS__PORT": str(port), "KVMESH_API_KEYS": f"{KEY}:a",
-            "KVMESH_STACK__STOP_GRACE_S": "20", "KVMESH_ENGINE__NUM_BLOCKS": "512", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            "KVMESH_STACK__STOP_GRACE_S": "20", "KVMESH_ENGINE__NUM_BLOCKS": "512"}
         self.ports = [str(free_port()) for _ in range(3)]
         self.pids: set[int] = set()
 
@@ -66,7 +67,7 @@ class Stack:
 
     def up(self, model: Path, *more: str) -> None:
         nats_port, monitor_port, s3_port = self.ports
-        out = self.cli("up", "--detach", "--engine", "vllm", "--model", str(model), "--timeout", "600",
+        out = self.cli("up", "--detach", "--model", str(model), "--timeout", "600",
                        "--nats-port", nats_port, "--nats-monitor-port", monitor_port, "--s3-port", s3_port, *more,
                        timeout=700)
         assert out.returncode == 0, out.stderr[-3000:] + self.logs()

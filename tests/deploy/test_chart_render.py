@@ -110,7 +110,7 @@ def test_settings_configmap_and_secret(rendered) -> None:
 def test_the_vllm_engine_switch(chart, rendered) -> None:
     """engine.backend vllm: the workers run vLLM, the ingress has them decode their own requests, and a decode
     pool (which would run kvmesh's engine on vLLM's blocks) is refused at render time."""
-    assert by_kind(rendered["defaults"], "ConfigMap")[name("config")]["data"]["KVMESH_ENGINE__BACKEND"] == "kvmesh"
+    assert by_kind(rendered["defaults"], "ConfigMap")[name("config")]["data"]["KVMESH_ENGINE__BACKEND"] == "native"
     cm = by_kind(rendered["vllm"], "ConfigMap")[name("config")]["data"]
     assert cm["KVMESH_ENGINE__BACKEND"] == "vllm" and cm["KVMESH_INGRESS__DECODE_PLACEMENT"] == "local"
     assert cm["KVMESH_ENGINE__BLOCK_SIZE"] == "32"

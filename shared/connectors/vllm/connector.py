@@ -17,7 +17,7 @@ default derived from vLLM's engine id, which both processes share) and
 `peers`, the worker ids of other vLLM instances on this host whose L2 slabs
 it reads before S3, and `fleet_role`: `vllm` (a vLLM server of its own, the
 default) or the kvmesh worker role it runs inside (`prefill`, `decode`:
-shared/connectors/vllm/serving.py), which heartbeats for it; the connector
+shared/workers/vllm_backend.py), which heartbeats for it; the connector
 then takes that worker's eviction commands (advice.py).
 Everything else comes from kvmesh's settings (`KVMESH_*`: L2 size, S3
 endpoint, bucket, credentials under the state dir).

@@ -51,7 +51,7 @@ class FleetLink:
     @classmethod
     async def join(cls, settings: Settings, worker_id: str, load: Callable[[], float], role: str = VLLM) -> FleetLink:
         """`role`: `vllm` for a vLLM server of its own; a kvmesh worker role (`prefill`) for the vLLM engine
-        inside that kvmesh worker (shared/connectors/vllm/serving.py), which heartbeats under the same id."""
+        inside that kvmesh worker (shared/workers/vllm_backend.py), which heartbeats under the same id."""
         auth = ClientAuth.from_settings(settings, inbox_prefix(role, worker_id))
         nc = await connect(settings.nats_url or "", f"vllm-connector:{worker_id}", settings.bus, auth)
         js = nc.jetstream()

@@ -2,7 +2,7 @@
 
 A vLLM request may carry `{"kvmesh_peers": [worker id, ...]}` in its
 `kv_transfer_params`: a vLLM prefill worker handing a request to a vLLM decode
-worker names itself there (shared/connectors/vllm/serving.py), so the decode
+worker names itself there (shared/workers/vllm_backend.py), so the decode
 worker's connector reads the prompt's blocks out of that worker's L2 slab,
 after its own L2 and its configured peers, before S3. Naming a worker grants
 nothing: a block is found by its tenant-salted hash, so a request can only

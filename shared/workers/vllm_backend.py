@@ -53,6 +53,7 @@ from kvmesh.bus.consumer import PermanentError, typed
 from kvmesh.bus.publish import Publisher
 from kvmesh.config import WorkerSettings
 from kvmesh.connectors.vllm.request_peers import PEERS_PARAM
+from kvmesh.engine.model_config import parse_model_config
 from kvmesh.log import get_logger
 from kvmesh.protocol import subjects
 from kvmesh.protocol.blocks import BlockHandle, Tier
@@ -68,6 +69,7 @@ from kvmesh.serving.services import listen_for_aborts, own_job_consumers
 from kvmesh.serving.token_stream import TokenStream, publish_event
 from kvmesh.tiers.block_format import CHECKSUM_BYTES
 from kvmesh.tiers.shm_slab import SlabReader
+from kvmesh.workers.vllm_cores import allowed_cores, bind_env
 
 log = get_logger(__name__)
 
@@ -353,21 +355,31 @@ def _ms(a: float | None, b: float | None) -> float | None:
 
 def start_vllm(ctx: ServiceContext):
     """vLLM's engine for this worker: the model dir, kvmesh's engine settings, the connector under this worker id
-    (its fleet link joins as this worker: no heartbeat of its own, this user's inbox)."""
+    (its fleet link joins as this worker: no heartbeat of its own, this user's inbox).
+
+    Its KV pool is `engine.num_blocks` blocks and no more (vLLM's CPU default would claim 92% of RAM), and its
+    threads run on every core this process may use, none reserved (vllm_cores.py; taskset gives it fewer)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     s = ctx.settings
-    if s.engine.threads:
-        os.environ.setdefault("OMP_NUM_THREADS", str(s.engine.threads))
+    os.environ.update(bind_env(allowed_cores()))
+    # Compiled graphs live with the worker's state: a restart loads them instead of compiling for a minute.
+    # Through torch's caches, not vLLM's AOT artifacts: in vLLM 0.32's CPU build those fail to load again
+    # ("'function' object has no attribute 'finalize_loading'") and it compiles anew every start.
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(s.state_dir / "vllm-cache"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(s.state_dir / "vllm-cache" / "inductor"))
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     config = json.loads((s.model_dir / "config.json").read_text())
     # vLLM starts only if one sequence of max_model_len fits its pool (less the null block)
     max_len = min(int(config.get("max_position_embeddings", 2048)), (s.engine.num_blocks - 1) * s.engine.block_size)
+    shape = parse_model_config(config, dtype=s.engine.dtype)  # vLLM keeps KV in the compute dtype
+    block_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize * s.engine.block_size
     args = AsyncEngineArgs(
         model=str(s.model_dir), dtype=s.engine.dtype, block_size=s.engine.block_size, max_model_len=max_len,
         enable_prefix_caching=s.engine.enable_prefix_caching, max_num_seqs=s.engine.max_num_seqs,
         max_num_batched_tokens=s.engine.max_num_batched_tokens, num_gpu_blocks_override=s.engine.num_blocks,
-        disable_log_stats=True,
+        kv_cache_memory_bytes=s.engine.num_blocks * block_bytes, disable_log_stats=True,
         kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": {"worker_id": ctx.worker_id,
                                                                        "fleet_role": ctx.role.value}})
     return AsyncLLM.from_engine_args(args)
