@@ -54,7 +54,7 @@ async def _publish(nc, cfg: BusBenchConfig) -> dict:
 
     async def sequential() -> None:
         for i in range(n):
-            await pub.publish(subjects.tokens("seq"), data, msg_id=f"seq-{i}")
+            await pub.publish(subjects.kv_events("bench-seq"), data, msg_id=f"seq-{i}")
 
     out["jetstream_sequential_msgs_s"] = await _rate(n, sequential)
     for conc in (8, 64):
@@ -62,7 +62,7 @@ async def _publish(nc, cfg: BusBenchConfig) -> dict:
 
         async def one(i: int, conc: int = conc, sem: asyncio.Semaphore = sem) -> None:
             async with sem:
-                await pub.publish(subjects.tokens(f"c{conc}"), data, msg_id=f"c{conc}-{i}")
+                await pub.publish(subjects.kv_events(f"bench-c{conc}"), data, msg_id=f"c{conc}-{i}")
 
         async def concurrent(conc: int = conc, one: Callable[[int], Awaitable[None]] = one) -> None:
             await asyncio.gather(*(one(i) for i in range(n)))

@@ -366,7 +366,11 @@ def connector(
 
     peer_python = peer_python or Path(sys.executable)
     probe = "import vllm, kvmesh.connectors.vllm.connector"
-    if subprocess.run([str(peer_python), "-c", probe], capture_output=True).returncode != 0:
+    try:
+        usable = subprocess.run([str(peer_python), "-c", probe], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        usable = False
+    if not usable:
         typer.echo(f"kvmesh bench connector needs a Python with vLLM and kvmesh: {peer_python} lacks one "
                    "(bash install.sh puts vLLM in kvmesh's venv; or name another with --peer-python)", err=True)
         raise typer.Exit(2)
