@@ -13,6 +13,11 @@ plain vLLM and none for one with a KV connector). What each side ran on is read 
 processes (vLLM's "core ids" log line, /proc's Cpus_allowed_list) into the JSON's `compute`. `kvmesh up`
 decodes each request on its prefill worker (one box: a handoff frees no compute).
 
+Equal memory: kvmesh's pool gets the bytes of vLLM's (`kv_cache_gib`), in its own block size; kvmesh's L2
+comes on top (both in `memory`). Where the time goes: the CPU seconds every process of each side used
+while the workloads ran (`cpu_seconds_during_workloads`: on a box the engines keep busy, what kvmesh's
+processes use beside the engine is what it costs).
+
 Out: one JSON object (per workload, per system: TTFT p50/p90/p99/mean, requests/s, decode tok/s,
 cached/prompt, errors; then kvmesh/vLLM ratios per engine, above 1 meaning kvmesh is slower), the kvmesh
 per-request breakdown (bench/peer_breakdown.py), and a PNG of the TTFT distributions.
@@ -34,11 +39,12 @@ from pathlib import Path
 from kvmesh.bench import peer_workloads as wl
 from kvmesh.bench.peer_breakdown import breakdown
 from kvmesh.bench.peer_drive import Timing, run_open_loop, run_sessions, send, summary
-from kvmesh.stack.procs import allowed_cpus, descendants
+from kvmesh.stack.procs import allowed_cpus, cpu_seconds, descendants
 from kvmesh.workers.vllm_cores import allowed_cores, bind_env, logged_binding
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_READY_S = 900.0
+VLLM_BLOCK, ENGINE_BLOCK = 32, 16  # kvmesh's block size with vLLM as its engine (its CPU page packing), and native
 HOW_TO_PEER = ("kvmesh bench peer needs a Python with vLLM to compare against: kvmesh's own venv has it after "
                "`bash install.sh`; another one is named with --peer-python")
 
@@ -198,6 +204,19 @@ def plot(ttfts: dict[str, dict[str, list[float]]], path: Path) -> None:
     plt.close(fig)
 
 
+def kv_bytes_per_token(cfg: PeerConfig) -> int:
+    """The model's KV bytes per token in float32, as every side serves it."""
+    from kvmesh.engine.checkpoint import read_json
+    from kvmesh.engine.model_config import parse_model_config
+
+    return parse_model_config(read_json(cfg.model_dir / "config.json"), dtype="float32").kv_bytes_per_token()
+
+
+def pool_blocks(cfg: PeerConfig, block_size: int) -> int:
+    """kvmesh's pool in blocks of `block_size`: the bytes vLLM alone gets (`kv_cache_gib`)."""
+    return cfg.kv_cache_gib * 1024**3 // (kv_bytes_per_token(cfg) * block_size)
+
+
 def vllm_compute(log: Path, pid: int | None = None) -> dict:
     """What a vLLM ran on, read back: the cores its log says it bound its engine to and reserved, and (while it
     runs) the cores its processes may use."""
@@ -205,6 +224,19 @@ def vllm_compute(log: Path, pid: int | None = None) -> dict:
     if pid is not None:
         got["cpus_allowed"] = {str(p): allowed_cpus(p) for p in [pid, *descendants(pid)]}
     return got
+
+
+def stack_pids(state_dir: Path) -> dict[str, int]:
+    """Every process a kvmesh stack's state file records (servers and services), by name."""
+    return {rec["name"]: rec["pid"] for rec in json.loads((state_dir / "stack.json").read_text())["processes"]}
+
+
+def cpu_used(pids: dict[str, int], work: Callable[[], object]) -> tuple[object, dict[str, float]]:
+    """Run `work`; its result and the CPU seconds each process (with what it started) used meanwhile."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    got = work()
+    used = {name: round(cpu_seconds(pid) - before[name], 2) for name, pid in pids.items()}
+    return got, {**used, "total": round(sum(used.values()), 2)}
 
 
 def stack_compute(state_dir: Path) -> dict:
@@ -226,6 +258,7 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     from dataclasses import replace
 
     from kvmesh.bench.serve import KEY, SayLog, ServeBenchConfig, running_stack
+    from kvmesh.config import TierSettings
     from kvmesh.net import free_port
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -233,25 +266,37 @@ def run_peer_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     say(f"workloads: {w.notes}")
     runs: dict[str, dict] = {}
     compute: dict[str, dict] = {"cpus": os.cpu_count(), "bench_cpus_allowed": allowed_cpus(os.getpid())}
+    cpu: dict[str, dict] = {}  # CPU seconds each side's processes used while the workloads ran
     port = free_port()
     say("starting vLLM (about 2 minutes to load)")
     with vllm_server(cfg, port, say) as (vlog, pid):
         compute["vllm"] = vllm_compute(vlog, pid)
-        runs["vllm"] = asyncio.run(drive(f"http://127.0.0.1:{port}/v1", "none", cfg.model_dir.name, w, say))
+        runs["vllm"], cpu["vllm"] = cpu_used({"vllm": pid}, lambda: asyncio.run(
+            drive(f"http://127.0.0.1:{port}/v1", "none", cfg.model_dir.name, w, say)))
     parts: dict[str, dict] = {}
+    memory: dict[str, dict] = {"vllm": {"pool_bytes": cfg.kv_cache_gib * 1024**3}}
     systems = ["vllm"]
     for engine in cfg.engines:
         system = f"kvmesh_{engine}"
         systems.append(system)
         state_dir = cfg.out_dir / f"kvmesh-state-{engine}"
-        env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600"}
-        serve_cfg = replace(ServeBenchConfig(model_dir=cfg.model_dir), engine=engine)
+        block = VLLM_BLOCK if engine == "vllm" else ENGINE_BLOCK
+        env = {"KVMESH_LOG_LEVEL": "info", "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "600",
+               "KVMESH_ENGINE__BLOCK_SIZE": str(block), "KVMESH_ENGINE__NUM_BLOCKS": str(pool_blocks(cfg, block))}
+        memory[system] = {"pool_bytes": pool_blocks(cfg, block) * block * kv_bytes_per_token(cfg),
+                          "l2_capacity_bytes": TierSettings().l2_capacity_bytes}
+        # vLLM workers decode their own requests (`kvmesh up` starts no vLLM decode worker); the native engine
+        # keeps its decode worker, which takes requests over only if the prefill worker fails
+        serve_cfg = replace(ServeBenchConfig(model_dir=cfg.model_dir), engine=engine,
+                            decode=0 if engine == "vllm" else 1)
         with running_stack(cfg.model_dir, serve_cfg, True, SayLog(say), env, state_dir) as url:
             say(f"kvmesh ({engine} engine) ready")
             compute[system] = stack_compute(state_dir)
-            runs[system] = asyncio.run(drive(url, KEY, cfg.model_dir.name, w, say))
+            runs[system], cpu[system] = cpu_used(stack_pids(state_dir), lambda: asyncio.run(
+                drive(url, KEY, cfg.model_dir.name, w, say)))
             parts[system] = breakdown([t for timings, _ in runs[system].values() for t in timings], state_dir / "logs")
     result: dict = {"bench": "peer", "model": cfg.model_dir.name, "workload_notes": w.notes, "compute": compute,
+                    "memory": memory, "cpu_seconds_during_workloads": cpu,
                     "vllm_version": peer_version(cfg.peer_python), "workloads": {}, "kvmesh_breakdown": parts}
     for name in runs["vllm"]:
         if name.startswith("long_"):  # one request each

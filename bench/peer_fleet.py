@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvmesh.bench.connector import split_sessions
-from kvmesh.bench.peer import PeerConfig, _ratio, peer_version, stack_compute, vllm_compute, vllm_server
+from kvmesh.bench.peer import PeerConfig, _ratio, peer_version, pool_blocks, stack_compute, vllm_compute, vllm_server
 from kvmesh.bench.peer_drive import Timing, run_sessions, send, summary
 from kvmesh.net import free_port
 
@@ -79,22 +79,13 @@ def _vllm_pair(cfg: PeerConfig, say: Callable[[str], None], round_: int,
         yield [f"http://127.0.0.1:{p}/v1" for p in ports]
 
 
-def _pool_blocks(cfg: PeerConfig) -> int:
-    """kvmesh's workers' pool in blocks: the bytes vLLM alone gets (`kv_cache_gib`), at this model's KV size."""
-    from kvmesh.engine.checkpoint import read_json
-    from kvmesh.engine.model_config import parse_model_config
-
-    per_token = parse_model_config(read_json(cfg.model_dir / "config.json"), dtype="float32").kv_bytes_per_token()
-    return cfg.kv_cache_gib * 1024**3 // (per_token * BLOCK)
-
-
 @contextmanager
 def _kvmesh_fleet(cfg: PeerConfig, state_dir: Path, port: int, say: Callable[[str], None],
                   compute: dict[str, dict]) -> Iterator[list[str]]:
     kvmesh = str(Path(cfg.peer_python).parent / "kvmesh")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")},
            "KVMESH_STATE_DIR": str(state_dir), "KVMESH_INGRESS__PORT": str(port), "KVMESH_API_KEYS": f"{KEY}:bench",
-           "KVMESH_ENGINE__NUM_BLOCKS": str(_pool_blocks(cfg)),
+           "KVMESH_ENGINE__NUM_BLOCKS": str(pool_blocks(cfg, BLOCK)),
            "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "900", "KVMESH_TIERS__L3_TAIL_DELAY_S": "0"}
     up = subprocess.run([kvmesh, "up", "--detach", "--engine", "vllm", "--model", str(cfg.model_dir),
                          "--prefill", str(INSTANCES), "--nats-port", "0", "--nats-monitor-port", "0", "--s3-port",
@@ -140,7 +131,7 @@ def run_fleet_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
               for phase in ("agents", "returning") for k in ("mean", "p50", "p99")}
     out = {"bench": "peer-fleet", "vllm_version": peer_version(cfg.peer_python), "workload": notes,
            "config": {"instances": INSTANCES, "block_size": BLOCK, "kv_cache_gib_each": cfg.kv_cache_gib,
-                      "kvmesh_pool_blocks_each": _pool_blocks(cfg), "cpus": os.cpu_count(),
+                      "kvmesh_pool_blocks_each": pool_blocks(cfg, BLOCK), "cpus": os.cpu_count(),
                       "sessions": cfg.sessions, "calls": cfg.calls,
                       "agent_max_tokens": cfg.agent_max_tokens, "seed": cfg.seed},
            "compute": compute, "results": results, "kvmesh_over_vllm": ratios}

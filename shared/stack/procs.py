@@ -46,6 +46,19 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a running process and the processes it started have used so far: its own and
+    its live descendants' (0.0 for what is gone)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15, counted after "comm)"
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def allowed_cpus(pid: int) -> str:
     """`Cpus_allowed_list` of a running process, as /proc writes it ("" when it is gone)."""
     try:

@@ -108,6 +108,8 @@ class KVMeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
+        if self.worker.store is not None:
+            self.worker.store.stepped()
         plan = self._get_connector_metadata()
         if isinstance(plan, StepPlan) and plan.saves:
             self.worker.keep(plan.saves)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from kvmesh.tiers.upload_queue import UploadQueue
 from minio.error import S3Error
 
 log = get_logger(__name__)
+BUSY_S = 0.25  # vLLM's steps follow each other within milliseconds while it serves; idle, none come
 
 
 class _LockedL2(L2Source):
@@ -138,6 +140,7 @@ class WorkerStore:
         self.l3: L3Store | None = build_l3_store(settings, fingerprint, block_size, self.counters)
         self.uploads: UploadQueue | None = None
         self.fleet: FleetLink | None = None
+        self.last_step = 0.0  # monotonic time vLLM's worker last ran a step (stepped())
         # L2 has two users: vLLM's worker thread (loads, keeps) and the connector's loop (uploads, advice)
         self.l2_lock = threading.Lock()
         self._slabs_lock = threading.Lock()  # the peers' mappings: loads and prefetches read them
@@ -152,7 +155,7 @@ class WorkerStore:
             self.l3.ensure_bucket()
             on_uploaded = None if self.fleet is None else partial(self.fleet.l3_stored, tokens_per_block=block_size)
             self.uploads = UploadQueue(self.l3, t.l3_upload_queue_bytes, source=_LockedL2(self.l2, self.l2_lock),
-                                       tail_delay_s=t.l3_tail_delay_s, on_uploaded=on_uploaded)
+                                       tail_delay_s=t.l3_tail_delay_s, on_uploaded=on_uploaded, busy=self.busy)
             self._run(self._start_uploads(), 10)
 
     def fetch(self, salt_hex: str, hashes: Sequence[bytes], first: int,
@@ -233,6 +236,15 @@ class WorkerStore:
             self._loop.call_soon_threadsafe(self.uploads.submit, namespace_for(salt_hex), list(hashes[:len(chain)]),
                                             chain)
         return len(stored)
+
+    def stepped(self) -> None:
+        """vLLM's worker ran a step: uploads wait while steps keep coming (busy)."""
+        self.last_step = time.monotonic()
+
+    def busy(self) -> bool:
+        """vLLM computed within BUSY_S: an L3 upload waits for a gap (up to the queue's max_defer_s), as a
+        kvmesh worker's do, rather than take the cores from a forward pass."""
+        return time.monotonic() - self.last_step < BUSY_S
 
     def held(self, hashes: Sequence[bytes]) -> int:
         """How many of `hashes`, from the first, L2 holds."""
