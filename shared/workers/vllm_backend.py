@@ -33,9 +33,11 @@ prefill and decode workers on one host (`kvmesh up`), not across hosts. A
 seeded request's tokens after the first are sampled by the decode worker's
 own generator, and a stop string is matched in the text it generates.
 
-Not here (refused with a clear error, never served wrongly): decoding
-constrained to a grammar (tool_choice, response_format) and named caches
-(`prefill_only`). Pins are served as ordinary blocks: the connector keeps
+Decoding constrained to a grammar (tool_choice, response_format) runs
+kvmesh's own llguidance grammar in vLLM's structured-output backend; such a
+request decodes on its prefill worker (the grammar's state lives there), and
+one that migrates mid-answer ends with a clear error. Not here (refused with
+a clear error, never served wrongly): named caches (`prefill_only`). Pins are served as ordinary blocks: the connector keeps
 every block, but nothing holds one for a TTL. The eviction service's advice
 (session retention, prefetch) is taken by the connector, for its L2
 (shared/connectors/vllm/advice.py); vLLM's pool is vLLM's.
@@ -51,7 +53,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.bus.consumer import PermanentError, typed
 from kvmesh.bus.publish import Publisher
-from kvmesh.config import WorkerSettings
+from kvmesh.config import ConstraintSettings, WorkerSettings
+from kvmesh.constrain.grammar import ConstraintError, lark_source
 from kvmesh.connectors.vllm.request_peers import PEERS_PARAM
 from kvmesh.engine.model_config import parse_model_config
 from kvmesh.log import get_logger
@@ -116,6 +119,7 @@ class VLLMWorker:
     block_size: int
     fingerprint: str = ""  # the connector's model fingerprint: names the blocks a handoff's handles point at
     settings: WorkerSettings = field(default_factory=WorkerSettings)
+    constraints: ConstraintSettings = field(default_factory=ConstraintSettings)  # bounds of tool_choice grammars
     ledger: JobLedger = field(default_factory=JobLedger)
     active: int = 0  # requests in vLLM now (the heartbeat's load)
     _engine_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # request id -> (attempt, vLLM id)
@@ -156,10 +160,16 @@ class VLLMWorker:
             subjects.token(job.decode_worker)
         except ValueError as exc:
             raise PermanentError(f"bad job: {exc}") from None
-        here = job.decode_worker == self.worker_id
-        run = _Run(job.request_id, job.attempt, job.prompt_ids, job.tenant_salt,
-                   _sampling(job.sampling, None if here else 1), job.deadline, prompt_tokens=len(job.prompt_ids))
-        refused = _refusal(job.sampling, job.prefill_only)
+        # a constrained request decodes where it was prefilled: its grammar's state lives in this vLLM
+        here = job.decode_worker == self.worker_id or job.sampling.constraint is not None
+        try:
+            params = _sampling(job.sampling, self.constraints, None if here else 1)
+        except ConstraintError as exc:
+            params, refused = None, f"constraint: {exc}"
+        else:
+            refused = _refusal(job.sampling, job.prefill_only)
+        run = _Run(job.request_id, job.attempt, job.prompt_ids, job.tenant_salt, params, job.deadline,
+                   prompt_tokens=len(job.prompt_ids))
         if refused:
             await self._fail(run, refused, retriable=False)
         elif time.time() >= job.deadline:
@@ -227,10 +237,11 @@ class VLLMWorker:
             raise PermanentError(f"bad job: {exc}") from None
         left = job.sampling.max_tokens - len(job.generated)
         owners = tuple(dict.fromkeys(h.worker_id for h in job.handles if h.worker_id and h.worker_id != self.worker_id))
-        params = _sampling(job.sampling, max(left, 1), {PEERS_PARAM: list(owners)} if owners else None)
+        refused = _refusal(job.sampling, prefill_only=False, continued=True)
+        params = None if refused else _sampling(job.sampling, self.constraints, max(left, 1),
+                                                {PEERS_PARAM: list(owners)} if owners else None)
         run = _Run(job.request_id, job.attempt, job.prompt_ids + job.generated, job.tenant_salt, params, job.deadline,
                    first_seq=len(job.generated), prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens)
-        refused = _refusal(job.sampling, prefill_only=False)
         if refused:
             await self._fail(run, refused, retriable=False)
             return
@@ -325,27 +336,35 @@ class VLLMWorker:
         return handles
 
 
-def _refusal(sampling: SamplingSpec, prefill_only: bool) -> str:
-    """Why a job cannot run on vLLM here ("" when it can)."""
+def _refusal(sampling: SamplingSpec, prefill_only: bool, continued: bool = False) -> str:
+    """Why a job cannot run on vLLM here ("" when it can). A constrained request that moved mid-answer (a
+    migration) cannot go on elsewhere: vLLM's grammar state starts at the answer's first token."""
     if prefill_only:
         return "named caches (prefill_only) are not supported with engine.backend vllm"
-    if sampling.constraint is not None:
-        return ("constrained decoding (tool_choice, response_format) is not supported with engine.backend vllm; "
-                "serve it with kvmesh's engine")
+    if continued and sampling.constraint is not None:
+        return ("a constrained answer (tool_choice, response_format) cannot be continued on another vLLM worker; "
+                "retry the request")
     return ""
 
 
-def _sampling(spec: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
+def _sampling(spec: SamplingSpec, bounds: ConstraintSettings, max_tokens: int | None = None,
+              kv_transfer_params: dict | None = None):
     """vLLM's sampling parameters for `spec` (`max_tokens`: the request's own unless given), with what the
-    connector reads of the request (`kv_transfer_params`)."""
+    connector reads of the request (`kv_transfer_params`). A constraint becomes kvmesh's own grammar for it,
+    run by vLLM's llguidance backend (`structured_outputs_config` in start_vllm): the same JSON bytes as
+    kvmesh's engine writes, so the next turn's prefix hits. ConstraintError when it cannot be built."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if spec.constraint is not None:
+        structured = StructuredOutputsParams(grammar=lark_source(spec.constraint, bounds))
 
     return SamplingParams(max_tokens=spec.max_tokens if max_tokens is None else max_tokens,
                           temperature=spec.temperature, top_p=spec.top_p,
                           top_k=spec.top_k if spec.top_k > 0 else 0, seed=spec.seed, stop=list(spec.stop),
                           stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                          output_kind=RequestOutputKind.DELTA,
+                          output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
                           extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
 
 
@@ -380,6 +399,7 @@ def start_vllm(ctx: ServiceContext):
         enable_prefix_caching=s.engine.enable_prefix_caching, max_num_seqs=s.engine.max_num_seqs,
         max_num_batched_tokens=s.engine.max_num_batched_tokens, num_gpu_blocks_override=s.engine.num_blocks,
         kv_cache_memory_bytes=s.engine.num_blocks * block_bytes, disable_log_stats=True,
+        structured_outputs_config={"backend": "guidance"},  # kvmesh's grammars are llguidance's (_sampling)
         kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": {"worker_id": ctx.worker_id,
                                                                        "fleet_role": ctx.role.value}})
     return AsyncLLM.from_engine_args(args)
@@ -395,7 +415,8 @@ async def _start_worker(ctx: ServiceContext) -> VLLMWorker:
     # service's loop keeps answering NATS's pings; its client starts its tasks on this loop at the first request
     llm = await asyncio.to_thread(start_vllm, ctx)
     ctx.on_stop.append(lambda: asyncio.to_thread(llm.shutdown))
-    worker = VLLMWorker(ctx.worker_id, llm, ctx.publisher, s.engine.block_size, fingerprint, s.workers)
+    worker = VLLMWorker(ctx.worker_id, llm, ctx.publisher, s.engine.block_size, fingerprint, s.workers,
+                        s.engine.constraints)
     ctx.on_stop.append(lambda: asyncio.to_thread(worker.close))
     ctx.ready_check = lambda: not llm.errored
     ctx.load = lambda: float(worker.active)

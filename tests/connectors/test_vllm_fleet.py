@@ -2,7 +2,8 @@
 (shared/workers/vllm_backend.py).
 
 The real CLI with its default engine (no --engine, no KVMESH_* settings but the test's), the real default model, NATS with
-users, the S3 server, and the official OpenAI SDK against the ingress: a repeated prompt hits, a stopped and
+users, the S3 server, and the official OpenAI SDK against the ingress: a repeated prompt hits, JSON mode and a
+required tool call come out valid (kvmesh's grammars in vLLM's llguidance backend), a stopped and
 restarted stack (vLLM's pool and prefix cache empty) restores the prompt from kvmesh's tiers, and the
 worker's KV events named the blocks vLLM computed, under the worker's own id. Restarted with a vLLM decode
 worker and every request handed off, the answer is the same, its KV read from the prefill worker's L2.
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import nats
 import nats.js.errors
-import openai
 import pytest
 from kvmesh.bus.client_auth import connect_kwargs
 from kvmesh.credentials.nats import admin_auth
@@ -38,6 +38,8 @@ from test_vllm_connector import vllm_python
 from waits import until_sync
 
 KEY = "sk-vllm-fleet"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 SYSTEM = " ".join(f"Rule {i}: answer in one short sentence and never mention the number {i * 7}." for i in range(24))
 
 
@@ -138,10 +140,11 @@ def _ask(port: int, model: Path, question: str, **kw):
     return _ask_raw(port, model, question, **kw).parse()
 
 
-def _ask_raw(port: int, model: Path, question: str, **kw):
+def _ask_raw(port: int, model: Path, question: str, max_tokens: int = 12, **kw):
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
-    return client.chat.completions.with_raw_response.create(model=model.name, max_tokens=12, temperature=0, messages=[
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **kw)
+    return client.chat.completions.with_raw_response.create(model=model.name, max_tokens=max_tokens, temperature=0,
+                                                            messages=[{"role": "system", "content": SYSTEM},
+                                                                      {"role": "user", "content": question}], **kw)
 
 
 @pytest.mark.slow
@@ -159,9 +162,14 @@ def test_kvmesh_up_with_vllm_serves_hits_restores_after_a_restart_and_hands_off(
         assert again.choices[0].message.content == text
         prompt_tokens = first.usage.prompt_tokens
         assert again.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 32  # all but the last block
-        # what vLLM cannot serve here is refused in the dialect's format, not served unconstrained
-        with pytest.raises(openai.BadRequestError, match="not supported with engine.backend vllm"):
-            _ask(port, model_dir, "Is it raining?", response_format={"type": "json_object"})
+        # constrained decoding runs kvmesh's grammars in vLLM: JSON mode parses, a required tool call validates
+        as_json = _ask(port, model_dir, "Is it raining?", max_tokens=64, response_format={"type": "json_object"})
+        assert isinstance(json.loads(as_json.choices[0].message.content), dict), as_json
+        called = _ask(port, model_dir, "What is the weather in Paris?", max_tokens=64, tools=[WEATHER],
+                      tool_choice="required")
+        [call] = called.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+        assert called.choices[0].finish_reason == "tool_calls"
         stored = asyncio.run(_stored_by(stack.state_dir, "prefill-0"))
         assert len(stored.get(Tier.L2, [])) >= (prompt_tokens - 1) // 32, stored  # the index learned vLLM's blocks
         # the eviction service's advice reaches the connector inside vLLM (the service's own session retains

@@ -52,9 +52,13 @@ def test_the_engine_is_vllm_where_installed_else_native_with_a_note(monkeypatch:
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (object() if installed["vllm"] else None) if name == "vllm"
                         else real_find_spec(name, *a))
-    assert choose_engine("auto", {"prefill": 2}) == EngineChoice("vllm", {"decode": 0, "prefill": 2})
-    assert choose_engine("vllm", {"decode": 1}) == EngineChoice("vllm", {"decode": 1})
+    services = ["decode", "ingress", "prefill"]
+    assert choose_engine("auto", {"prefill": 2}).counts(services) == {"decode": 0, "prefill": 2}
+    assert choose_engine("auto", {}).counts(["echo"]) == {}  # a package without a decode service
+    assert choose_engine("vllm", {"decode": 1}).counts(services) == {"decode": 1}
+    assert choose_engine("vllm", {}).backend == "vllm"
     assert choose_engine("native", {"prefill": 2}) == EngineChoice("native", {"prefill": 2})
+    assert choose_engine("native", {}).counts(services) == {}
     installed["vllm"] = False
     fallback = choose_engine("auto", {})
     assert (fallback.backend, fallback.replicas) == ("native", {})

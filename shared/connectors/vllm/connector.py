@@ -120,7 +120,8 @@ class KVMeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             log.info("kvmesh connector stopping", role="WORKER", loaded_blocks=self.worker.loaded_blocks,
-                     kept_blocks=self.worker.kept_blocks)
+                     kept_blocks=self.worker.kept_blocks, load_s=round(self.worker.load_s, 3),
+                     keep_s=round(self.worker.keep_s, 3))
             if self.worker.store is not None:
                 self.worker.store.close()
         if self.scheduler is not None:

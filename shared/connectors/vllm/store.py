@@ -155,7 +155,8 @@ class WorkerStore:
             self.l3.ensure_bucket()
             on_uploaded = None if self.fleet is None else partial(self.fleet.l3_stored, tokens_per_block=block_size)
             self.uploads = UploadQueue(self.l3, t.l3_upload_queue_bytes, source=_LockedL2(self.l2, self.l2_lock),
-                                       tail_delay_s=t.l3_tail_delay_s, on_uploaded=on_uploaded, busy=self.busy)
+                                       tail_delay_s=t.l3_tail_delay_s, on_uploaded=on_uploaded, busy=self.busy,
+                                       max_defer_s=t.connector_upload_max_defer_s)
             self._run(self._start_uploads(), 10)
 
     def fetch(self, salt_hex: str, hashes: Sequence[bytes], first: int,
@@ -242,8 +243,8 @@ class WorkerStore:
         self.last_step = time.monotonic()
 
     def busy(self) -> bool:
-        """vLLM computed within BUSY_S: an L3 upload waits for a gap (up to the queue's max_defer_s), as a
-        kvmesh worker's do, rather than take the cores from a forward pass."""
+        """vLLM computed within BUSY_S: an L3 upload waits for a gap (up to tiers.connector_upload_max_defer_s)
+        rather than contend with a forward pass for the cores and for this process's GIL."""
         return time.monotonic() - self.last_step < BUSY_S
 
     def held(self, hashes: Sequence[bytes]) -> int:

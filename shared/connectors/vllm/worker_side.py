@@ -15,6 +15,7 @@ kept: L2 at once, L3 by the store's upload queue.
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class WorkerSide:
     load_errors: set[int] = field(default_factory=set)
     loaded_blocks: int = 0
     kept_blocks: int = 0
+    load_s: float = 0.0  # time vLLM's steps spent in load() and keep(): what the connector adds to them
+    keep_s: float = 0.0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = [kv_caches[name] for name in layer_order(kv_caches)]
@@ -61,6 +64,20 @@ class WorkerSide:
         self.store = self.store_factory(block_bytes)
 
     def load(self, plans: list[LoadPlan]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._load(plans)
+        finally:
+            self.load_s += time.perf_counter() - t0
+
+    def keep(self, plans: list[SavePlan]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._keep(plans)
+        finally:
+            self.keep_s += time.perf_counter() - t0
+
+    def _load(self, plans: list[LoadPlan]) -> None:
         for plan in plans:
             blocks, tiers = self._fetch(plan)
             short = len(blocks) < len(plan.block_ids)  # the rest is recomputed
@@ -75,7 +92,7 @@ class WorkerSide:
             if short:
                 self.load_errors.update(plan.block_ids[len(blocks):])
 
-    def keep(self, plans: list[SavePlan]) -> None:
+    def _keep(self, plans: list[SavePlan]) -> None:
         assert self.store is not None
         for plan in plans:
             # only blocks L2 lacks leave vLLM's cache (one just loaded from L2 is there already)
