@@ -35,9 +35,9 @@ from kvmesh.stack.launch import (
 )
 from kvmesh.stack.model import resolve_model_dir
 from kvmesh.stack.preflight import (
-    choose_engine,
     check_external_nats,
     check_external_s3,
+    choose_engine,
     ensure_binaries,
     ensure_ports_free,
     ensure_writable,

@@ -18,6 +18,7 @@ def stack(tmp_path: Path) -> Iterator[StackDir]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env["KVMESH_STATE_DIR"] = str(tmp_path / "state")
     env["KVMESH_STACK__STOP_GRACE_S"] = "5"
+    env["KVMESH_ENGINE__BACKEND"] = "native"  # stacks of kvmesh's own engine (tests/connectors run vLLM's)
     env["KVMESH_STACK__SERVICES_PACKAGE"] = "kvmesh.services"
     sd = StackDir(state_dir=tmp_path / "state", env=env)
     try:

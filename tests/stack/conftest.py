@@ -15,6 +15,7 @@ def stack(tmp_path: Path) -> Iterator[StackDir]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env["KVMESH_STATE_DIR"] = str(tmp_path / "state")
     env["KVMESH_STACK__STOP_GRACE_S"] = "5"
+    env["KVMESH_ENGINE__BACKEND"] = "native"  # stacks of kvmesh's own engine (tests/connectors run vLLM's)
     # services come from the test package (one `echo` service), not from whatever `services/` holds today
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SVC_PATH), env.get("PYTHONPATH")]))
     env["KVMESH_STACK__SERVICES_PACKAGE"] = SVC_PACKAGE

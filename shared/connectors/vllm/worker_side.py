@@ -64,18 +64,10 @@ class WorkerSide:
         self.store = self.store_factory(block_bytes)
 
     def load(self, plans: list[LoadPlan]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._load(plans)
-        finally:
-            self.load_s += time.perf_counter() - t0
+        self.load_s += _timed(self._load, plans)
 
     def keep(self, plans: list[SavePlan]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._keep(plans)
-        finally:
-            self.keep_s += time.perf_counter() - t0
+        self.keep_s += _timed(self._keep, plans)
 
     def _load(self, plans: list[LoadPlan]) -> None:
         for plan in plans:
@@ -124,3 +116,10 @@ class WorkerSide:
                 log.warning("kv block not loadable", request_id=plan.request_id, error=str(exc))
                 break
         return usable, tiers
+
+
+def _timed(step: Callable[[list], None], plans: list) -> float:
+    """Seconds `step(plans)` took."""
+    t0 = time.perf_counter()
+    step(plans)
+    return time.perf_counter() - t0
