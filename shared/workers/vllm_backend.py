@@ -377,12 +377,14 @@ def start_vllm(ctx: ServiceContext):
     (its fleet link joins as this worker: no heartbeat of its own, this user's inbox).
 
     Its KV pool is `engine.num_blocks` blocks and no more (vLLM's CPU default would claim 92% of RAM), and its
-    threads run on every core this process may use, none reserved (vllm_cores.py; taskset gives it fewer)."""
+    threads run on every core this process may use, none reserved (vllm_cores.py; taskset, or vLLM's own
+    VLLM_CPU_OMP_THREADS_BIND set for the service, gives it others)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     s = ctx.settings
-    os.environ.update(bind_env(allowed_cores()))
+    for name, value in bind_env(allowed_cores()).items():  # what the operator set stays
+        os.environ.setdefault(name, value)
     # Compiled graphs live with the worker's state: a restart loads them instead of compiling for a minute.
     # Through torch's caches, not vLLM's AOT artifacts: in vLLM 0.32's CPU build those fail to load again
     # ("'function' object has no attribute 'finalize_loading'") and it compiles anew every start.
