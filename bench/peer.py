@@ -40,6 +40,7 @@ from kvmesh.bench import peer_workloads as wl
 from kvmesh.bench.peer_breakdown import breakdown
 from kvmesh.bench.peer_drive import Timing, run_open_loop, run_sessions, send, summary
 from kvmesh.stack.procs import allowed_cpus, cpu_seconds, descendants
+from kvmesh.stack.state import ProcessRecord, load_state
 from kvmesh.workers.vllm_cores import allowed_cores, bind_env, logged_binding
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,9 +227,17 @@ def vllm_compute(log: Path, pid: int | None = None) -> dict:
     return got
 
 
+def stack_processes(state_dir: Path) -> list[ProcessRecord]:
+    """Every process a running kvmesh stack's state file records (servers and services)."""
+    state = load_state(state_dir)
+    if state is None:
+        raise RuntimeError(f"no kvmesh stack is recorded in {state_dir}")
+    return state.processes
+
+
 def stack_pids(state_dir: Path) -> dict[str, int]:
-    """Every process a kvmesh stack's state file records (servers and services), by name."""
-    return {rec["name"]: rec["pid"] for rec in json.loads((state_dir / "stack.json").read_text())["processes"]}
+    """The pid of every process of a running kvmesh stack, by name."""
+    return {rec.name: rec.pid for rec in stack_processes(state_dir)}
 
 
 def cpu_used(pids: dict[str, int], work: Callable[[], object]) -> tuple[object, dict[str, float]]:
@@ -242,15 +251,14 @@ def cpu_used(pids: dict[str, int], work: Callable[[], object]) -> tuple[object, 
 def stack_compute(state_dir: Path) -> dict:
     """What a kvmesh stack's workers ran on, read back while it runs: each process's allowed cores and, for a
     vLLM worker, its engine's binding from its log."""
-    state = json.loads((state_dir / "stack.json").read_text())
     out = {}
-    for rec in state["processes"]:
-        if rec["kind"] != "service":
+    for rec in stack_processes(state_dir):
+        if rec.kind != "service":
             continue
-        log = Path(rec["log"])
+        log = Path(rec.log)
         binding = logged_binding(log.read_text(errors="replace")) if log.exists() else None
-        out[rec["name"]] = {"cpus_allowed": allowed_cpus(rec["pid"]), "children": len(descendants(rec["pid"])),
-                            **({"vllm_binding": binding} if binding else {})}
+        out[rec.name] = {"cpus_allowed": allowed_cpus(rec.pid), "children": len(descendants(rec.pid)),
+                         **({"vllm_binding": binding} if binding else {})}
     return out
 
 

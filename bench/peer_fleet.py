@@ -30,12 +30,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvmesh.bench.connector import split_sessions
-from kvmesh.bench.peer import PeerConfig, _ratio, peer_version, pool_blocks, stack_compute, vllm_compute, vllm_server
+from kvmesh.bench.peer import (
+    VLLM_BLOCK,
+    PeerConfig,
+    _ratio,
+    peer_version,
+    pool_blocks,
+    stack_compute,
+    vllm_compute,
+    vllm_server,
+)
 from kvmesh.bench.peer_drive import Timing, run_sessions, send, summary
 from kvmesh.net import free_port
 
 KEY = "sk-bench-fleet"
-BLOCK = 32  # kvmesh's vLLM workers' block size (the CPU page packing the connector converts)
 INSTANCES = 2
 
 
@@ -73,7 +81,7 @@ def _vllm_pair(cfg: PeerConfig, say: Callable[[str], None], round_: int,
     ports = [free_port() for _ in range(INSTANCES)]
     with ExitStack() as stack:
         for i, port in enumerate(ports):
-            log, pid = stack.enter_context(vllm_server(cfg, port, say, ("--block-size", str(BLOCK)), None,
+            log, pid = stack.enter_context(vllm_server(cfg, port, say, ("--block-size", str(VLLM_BLOCK)), None,
                                                        f"fleet-vllm-{i}-{round_}.log"))
             compute[f"vllm-{i}"] = vllm_compute(log, pid)
         yield [f"http://127.0.0.1:{p}/v1" for p in ports]
@@ -85,7 +93,7 @@ def _kvmesh_fleet(cfg: PeerConfig, state_dir: Path, port: int, say: Callable[[st
     kvmesh = str(Path(cfg.peer_python).parent / "kvmesh")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")},
            "KVMESH_STATE_DIR": str(state_dir), "KVMESH_INGRESS__PORT": str(port), "KVMESH_API_KEYS": f"{KEY}:bench",
-           "KVMESH_ENGINE__NUM_BLOCKS": str(pool_blocks(cfg, BLOCK)),
+           "KVMESH_ENGINE__NUM_BLOCKS": str(pool_blocks(cfg, VLLM_BLOCK)),
            "KVMESH_INGRESS__FIRST_TOKEN_TIMEOUT_S": "900", "KVMESH_TIERS__L3_TAIL_DELAY_S": "0"}
     up = subprocess.run([kvmesh, "up", "--detach", "--engine", "vllm", "--model", str(cfg.model_dir),
                          "--prefill", str(INSTANCES), "--nats-port", "0", "--nats-monitor-port", "0", "--s3-port",
@@ -130,8 +138,8 @@ def run_fleet_bench(cfg: PeerConfig, say: Callable[[str], None]) -> dict:
     ratios = {f"{phase}_ttft_{k}": _ratio(ours[phase]["ttft_s"][k], theirs[phase]["ttft_s"][k])
               for phase in ("agents", "returning") for k in ("mean", "p50", "p99")}
     out = {"bench": "peer-fleet", "vllm_version": peer_version(cfg.peer_python), "workload": notes,
-           "config": {"instances": INSTANCES, "block_size": BLOCK, "kv_cache_gib_each": cfg.kv_cache_gib,
-                      "kvmesh_pool_blocks_each": pool_blocks(cfg, BLOCK), "cpus": os.cpu_count(),
+           "config": {"instances": INSTANCES, "block_size": VLLM_BLOCK, "kv_cache_gib_each": cfg.kv_cache_gib,
+                      "kvmesh_pool_blocks_each": pool_blocks(cfg, VLLM_BLOCK), "cpus": os.cpu_count(),
                       "sessions": cfg.sessions, "calls": cfg.calls,
                       "agent_max_tokens": cfg.agent_max_tokens, "seed": cfg.seed},
            "compute": compute, "results": results, "kvmesh_over_vllm": ratios}

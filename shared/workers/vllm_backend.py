@@ -37,8 +37,9 @@ Decoding constrained to a grammar (tool_choice, response_format) runs
 kvmesh's own llguidance grammar in vLLM's structured-output backend; such a
 request decodes on its prefill worker (the grammar's state lives there), and
 one that migrates mid-answer ends with a clear error. Not here (refused with
-a clear error, never served wrongly): named caches (`prefill_only`). Pins are served as ordinary blocks: the connector keeps
-every block, but nothing holds one for a TTL. The eviction service's advice
+a clear error, never served wrongly): named caches (`prefill_only`). Pins
+are served as ordinary blocks: the connector keeps every block, but nothing
+holds one for a TTL. The eviction service's advice
 (session retention, prefetch) is taken by the connector, for its L2
 (shared/connectors/vllm/advice.py); vLLM's pool is vLLM's.
 """
